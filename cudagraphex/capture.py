@@ -1,0 +1,190 @@
+"""Capture backends: real CUDA graphs, and an emulation of their memory semantics on the CPU.
+
+Both expose the same three operations to the runtime: make a memory pool, capture a callable into a graph (which
+returns the graph and the output tensors, whose storage the graph writes on every replay), and replay. Neither
+executes the callable's side effects at capture time: a CUDA capture only records, and the emulation undoes what
+its capture run did.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from cudagraphex._protections import PROTECTIONS
+
+__all__ = [
+    "CaptureFailed",
+    "CudaBackend",
+    "EmulatedBackend",
+    "backend_for",
+    "is_capturing",
+]
+
+#: Captures are serialised process-wide: two threads capturing at once would share the capture stream.
+_capture_lock = threading.Lock()
+_capturing = threading.local()
+
+
+class CaptureFailed(RuntimeError):
+    """Capturing a region failed; the process is left as it was before the attempt."""
+
+
+def is_capturing() -> bool:
+    """True while this thread is capturing a region (with either backend)."""
+    return getattr(_capturing, "active", False)
+
+
+class CudaBackend:
+    """Captures with ``torch.cuda.CUDAGraph`` on one side stream per device."""
+
+    name = "cuda"
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def new_pool(self, device: torch.device) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def reserved_bytes(self, device: torch.device) -> int:
+        return torch.cuda.memory_reserved(device)
+
+    def capture(
+        self,
+        fn: Callable,
+        args: Sequence[Any],
+        *,
+        pool: Any,
+        device: torch.device,
+        static: Sequence[int],
+        mutated: Sequence[int],
+    ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+        """Records ``fn(*args)`` into a new graph that allocates from ``pool``.
+
+        No device-wide synchronisation and no ``empty_cache`` (both would break another thread's capture); the capture
+        stream waits for the current stream instead. Raises :class:`CaptureFailed` with the RNG state restored.
+        """
+        with _capture_lock, torch.cuda.device(device):
+            stream = self._streams.get(device.index)
+            if stream is None:
+                stream = self._streams[device.index] = torch.cuda.Stream(device)
+            rng_state = torch.cuda.get_rng_state(device)
+            graph = torch.cuda.CUDAGraph()
+            stream.wait_stream(torch.cuda.current_stream(device))
+            gc_enabled = gc.isenabled()
+            gc.disable()  # a collection during capture may free tensors and record events on other streams
+            _capturing.active = True
+            try:
+                with torch.cuda.stream(stream):
+                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    try:
+                        outputs = fn(*args)
+                    finally:
+                        graph.capture_end()
+            except BaseException as e:
+                if PROTECTIONS["restore_rng_after_capture"]:
+                    torch.cuda.set_rng_state(rng_state, device)
+                raise CaptureFailed(f"{type(e).__name__}: {e}") from e
+            finally:
+                _capturing.active = False
+                if gc_enabled:
+                    gc.enable()
+            torch.cuda.current_stream(device).wait_stream(stream)
+        return graph, tuple(outputs)
+
+
+def expanded_dims(t: torch.Tensor) -> tuple[int, ...]:
+    """The dims along which ``t`` repeats one element (stride 0), as ``expand`` makes them."""
+    return tuple(d for d in range(t.dim()) if t.stride(d) == 0 and t.size(d) > 1)
+
+
+def unexpand(t: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
+    """``t`` without the repetition along ``dims``: the part of it that holds distinct memory."""
+    for d in dims:
+        t = t.narrow(d, 0, 1)
+    return t
+
+
+class EmulatedGraph:
+    """Replays a region on the CPU into the output tensors of its capture, as a CUDA graph writes its pool.
+
+    Like a CUDA graph it keeps no reference to static inputs: a replay reads them from the current call, whose static
+    inputs the runtime has checked to be at the captured addresses. Everything else (input buffers, host values) is
+    frozen at capture.
+    """
+
+    def __init__(self, fn: Callable, args: Sequence[Any], static: Sequence[int], outputs: Sequence[torch.Tensor]):
+        self._fn = fn
+        self._frozen = [None if i in static else a for i, a in enumerate(args)]
+        self._static = tuple(static)
+        self._outputs = tuple(outputs)
+
+    def replay(self, args: Sequence[Any]) -> None:
+        call_args = list(self._frozen)
+        for i in self._static:
+            call_args[i] = args[i]
+        for target, fresh in zip(self._outputs, self._fn(*call_args), strict=True):
+            if fresh.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
+                dims = expanded_dims(target)
+                unexpand(target, dims).copy_(unexpand(fresh, dims))
+
+
+class EmulatedBackend:
+    """The CPU replay backend: an explicit testing and debugging mode that treats CPU tensors as the GPU path would.
+
+    Capture remembers the region's callable and the tensors it was captured with (static inputs and the graph's input
+    buffers), and keeps the outputs of one run as the graph's output buffers; it then undoes that run's side effects
+    (in-place writes to inputs, RNG draws), as a real capture has none. Replay runs the callable again on the same
+    tensors and copies the results into those output buffers, so a held output is overwritten exactly when a real
+    graph would overwrite it, and values frozen at capture (host numbers) stay frozen.
+    """
+
+    name = "emulate"
+    device_type = "cpu"
+
+    def new_pool(self, device: torch.device) -> Any:
+        return object()
+
+    def reserved_bytes(self, device: torch.device) -> int:
+        return 0
+
+    def capture(
+        self,
+        fn: Callable,
+        args: Sequence[Any],
+        *,
+        pool: Any,
+        device: torch.device,
+        static: Sequence[int],
+        mutated: Sequence[int],
+    ) -> tuple[EmulatedGraph, tuple[torch.Tensor, ...]]:
+        with _capture_lock:
+            undo = PROTECTIONS["undo_capture_side_effects"]
+            before = [(args[i], args[i].clone()) for i in mutated] if undo else []
+            rng_state = torch.get_rng_state()
+            _capturing.active = True
+            try:
+                outputs = tuple(fn(*args))
+            except BaseException as e:
+                raise CaptureFailed(f"{type(e).__name__}: {e}") from e
+            finally:
+                _capturing.active = False
+                if PROTECTIONS["restore_rng_after_capture"]:
+                    torch.set_rng_state(rng_state)
+                with torch.no_grad():
+                    for tensor, value in before:
+                        tensor.copy_(value)
+        return EmulatedGraph(fn, args, static, outputs), outputs
+
+
+_BACKENDS = {"cuda": CudaBackend, "emulate": EmulatedBackend}
+
+
+def backend_for(name: str) -> CudaBackend | EmulatedBackend:
+    """A new backend object for ``name`` ("cuda" or "emulate")."""
+    return _BACKENDS[name]()

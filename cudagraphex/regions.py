@@ -1,0 +1,423 @@
+"""How a trace is cut into regions that become graphs.
+
+A region is a longest run of consecutive graph-safe bound symbols on one device and in one phase (forward or
+backward). Runs keep the trace's order, so capturing never reorders side effects or random draws. ``del`` and comments
+never enter a graph but do not split a run: they move behind the graph. Every other symbol left out records a
+:class:`Break` with its reason and the user's source line.
+
+Two hazards can only be seen once runs exist, so forming regions iterates until none is left:
+
+- an in-place write (``copy_``) into a region input that cannot be kept static (a tensor an eager symbol produces
+  anew on every call) would land in the graph's private copy of it; the write is kept out of the graph;
+- in a joint forward-backward trace Thunder keeps a ``copy_`` into a forward tensor in the forward pass, but a region
+  that holds it moves to the backward pass unless one of its outputs is needed by the forward; such a write is kept
+  out of the graph too.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+import thunder.torch as ltorch
+from thunder.core import prims
+from thunder.core.proxies import Proxy, ProxyTag, TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, TraceTag
+from thunder.executors.torchex import ex as torch_executor
+
+from cudagraphex.safety import TRANSPARENT, is_inplace_write
+
+__all__ = [
+    "Break",
+    "Plan",
+    "RegionSpec",
+    "plan_regions",
+    "source_line",
+    "written_inputs",
+]
+
+_UNPACKS = frozenset(p for p in prims.PrimIDs if p.name.startswith("UNPACK_"))
+_STRUCTURAL = _UNPACKS | {prims.PrimIDs.RETURN, "clear_mutable_collection"}
+
+
+def _view_symbol_ids() -> frozenset:
+    """Ids of symbols whose output may share memory with an input, in both their torch-level and lowered forms."""
+    view_prims = {
+        prims.PrimIDs.BROADCAST_IN_DIM,
+        prims.PrimIDs.RESHAPE,
+        prims.PrimIDs.SLICE,
+        prims.PrimIDs.SQUEEZE,
+        prims.PrimIDs.TRANSPOSE,
+        prims.PrimIDs.UNFOLD,
+        prims.PrimIDs.VIEW,
+        prims.PrimIDs.SHALLOW_COPY,
+        prims.PrimIDs.UPDATE_ALIASES,
+        prims.PrimIDs.BITCAST,
+        prims.PrimIDs.REAL,
+        prims.PrimIDs.IMAG,
+        prims.PrimIDs.STRIDE_ORDER,
+        prims.PrimIDs.CONVERT_ELEMENT_TYPE,
+        prims.PrimIDs.DEVICE_PUT,
+    }
+    ids = set(view_prims) | {s.id for s in ltorch._syms_returning_views | ltorch._syms_that_may_return_views}
+    for sym_id in list(ids):
+        impl = torch_executor.implmap.get(sym_id)
+        if impl is not None and impl.symbol is not None:
+            ids.add(impl.symbol.id)
+    return frozenset(ids)
+
+
+_VIEW_IDS = _view_symbol_ids()
+
+
+@dataclass(frozen=True)
+class Break:
+    """A symbol kept out of every graph."""
+
+    symbol: str
+    reason: str
+    source: str | None
+    #: Unpacking, returning and clearing collections: part of every trace's frame, not worth a user's attention.
+    structural: bool = False
+
+
+@dataclass
+class RegionSpec:
+    """A run of graph-safe symbols, with what the runtime needs to know about its inputs and outputs."""
+
+    bound_symbols: list[BoundSymbol]
+    inputs: list[TensorProxy]
+    outputs: list[TensorProxy]
+    device: str
+    #: "forward", "backward" or "computation" (a trace without backward).
+    phase: str
+    #: Outputs the caller of the compiled function receives (forward outputs, gradients).
+    returned: frozenset[str] = frozenset()
+    #: Inputs the region may write in place.
+    mutated: frozenset[str] = frozenset()
+    #: Inputs the region writes in place that are inputs of the whole trace (or alias one through update_aliases).
+    mutated_trace_inputs: frozenset[str] = frozenset()
+    #: For each member that writes in place (by ``id``), the inputs its write may reach.
+    written: dict[int, frozenset[str]] = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class Plan:
+    """A trace cut into regions: ``sequence`` is the new order of bound symbols, with regions in place of runs."""
+
+    sequence: list[RegionSpec | BoundSymbol]
+    breaks: list[Break] = field(default_factory=list)
+
+    @property
+    def regions(self) -> list[RegionSpec]:
+        return [item for item in self.sequence if isinstance(item, RegionSpec)]
+
+
+def source_line(bsym: BoundSymbol) -> str | None:
+    """``file:line`` of the user's code that produced ``bsym``, when Thunder recorded it."""
+    if bsym.source_filename is None:
+        return None
+    line = getattr(bsym.source_positions, "lineno", None)
+    return f"{bsym.source_filename}:{line}" if line is not None else bsym.source_filename
+
+
+def _device_of(bsym: BoundSymbol) -> str | None:
+    for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs):
+        if isinstance(p, TensorProxy):
+            return p.device.device_str()
+    return None
+
+
+def _phases(trace: TraceCtx) -> Callable[[int], str]:
+    if TraceTag.BACKWARD in trace.tags:
+        return lambda i: "backward"
+    if TraceTag.AUGMENTED_FORWARD in trace.tags:
+        return lambda i: "forward"
+    first_get_grad = next(
+        (i for i, b in enumerate(trace.bound_symbols) if b.sym.id == prims.PrimIDs.GET_GRAD),
+        None,
+    )
+    if first_get_grad is None:
+        return lambda i: "computation"
+    return lambda i: "forward" if i < first_get_grad else "backward"
+
+
+def _returned_names(trace: TraceCtx) -> frozenset[str]:
+    """Names of the tensors the caller receives: forward outputs and gradients, not saved tensors or inputs."""
+    ret = trace.bound_symbols[-1] if trace.bound_symbols else None
+    if ret is None or ret.sym.id != prims.PrimIDs.RETURN:
+        return frozenset()
+    names = set()
+    dicts = [a for a in ret.args if isinstance(a, dict)]
+    if dicts:
+        for d in dicts:
+            for key in ("output", "fw_flat_out", "flat_output"):
+                names.update(p.name for p in _flat_proxies(d.get(key)))
+    else:
+        names.update(p.name for p in _flat_proxies(ret.args))
+    return frozenset(names)
+
+
+def _flat_proxies(x) -> list[Proxy]:
+    from thunder.core.pytree import tree_flatten
+
+    return [p for p in tree_flatten(x)[0] if isinstance(p, Proxy)]
+
+
+def _writes(bsym: BoundSymbol) -> list[BoundSymbol]:
+    """The ``copy_`` symbols that run when ``bsym`` runs."""
+    if is_inplace_write(bsym):
+        return [bsym]
+    if bsym.sym.executor is None or bsym.sym.is_fusion:
+        return [w for sub in bsym.subsymbols for w in _writes(sub)]
+    return []
+
+
+def _may_alias_input(bsym: BoundSymbol) -> bool:
+    return (
+        bsym.sym.id in _VIEW_IDS
+        or bsym.sym.is_fusion
+        or bsym.sym.executor is None
+        and any(_may_alias_input(sub) for sub in bsym.subsymbols)
+    )
+
+
+def written_inputs(members: list[BoundSymbol], inputs: Collection[str]) -> dict[int, frozenset[str]]:
+    """For each member (by id) that writes in place, the region inputs whose memory the write may reach."""
+    aliases: dict[str, set[str]] = {}  # proxy -> region inputs whose memory it may share
+
+    def roots(name: str) -> set[str]:
+        return {name} if name in inputs else aliases.get(name, set())
+
+    written = {}
+    for b in members:
+        if _may_alias_input(b):
+            shared = set().union(*(roots(p.name) for p in b.flat_proxy_args))
+            for p in b.flat_proxy_outs:
+                aliases[p.name] = shared
+        reached = set().union(*(roots(w.args[1].name) for w in _writes(b)))
+        if reached:
+            written[id(b)] = frozenset(reached)
+    return written
+
+
+class _Planner:
+    def __init__(
+        self,
+        trace: TraceCtx,
+        reason_of: Callable[[BoundSymbol], str | None],
+        min_size: int,
+        declared_static: Collection[str],
+        graph_outputs: Collection[str],
+    ):
+        self.trace = trace
+        self.bsyms = list(trace.bound_symbols)
+        self.reason_of = reason_of
+        self.min_size = min_size
+        self.declared_static = frozenset(declared_static)
+        self.graph_outputs = frozenset(graph_outputs)
+        self.phase_of = _phases(trace)
+        self.returned = _returned_names(trace)
+        self.producer: dict[str, tuple[int, BoundSymbol]] = {}
+        self.consumers: dict[str, list[int]] = defaultdict(list)
+        for i, b in enumerate(self.bsyms):
+            for p in b.flat_proxy_outs:
+                self.producer.setdefault(p.name, (i, b))
+            if b.sym.id not in TRANSPARENT:
+                for p in b.flat_proxy_args:
+                    self.consumers[p.name].append(i)
+        self.trace_outputs = {p.name for p in _flat_proxies(trace.output)}
+
+    def plan(self) -> Plan:
+        extra: dict[int, str] = {}
+        while True:
+            plan = self._form(extra)
+            hazards = self._hazards(plan)
+            if not hazards:
+                return plan
+            extra.update(hazards)
+
+    def _form(self, extra: dict[int, str]) -> Plan:
+        sequence: list = []
+        breaks: list[Break] = []
+        run: list[tuple[int, BoundSymbol]] = []
+        run_device: str | None = None
+
+        def close():
+            nonlocal run, run_device
+            if run:
+                self._close_run(run, sequence, breaks)
+            run, run_device = [], None
+
+        for i, b in enumerate(self.bsyms):
+            if b.sym.id in TRANSPARENT:
+                if run:
+                    run.append((i, b))
+                else:
+                    sequence.append(b)
+                continue
+            reason = extra.get(id(b)) or self.reason_of(b)
+            if reason is not None:
+                close()
+                sequence.append(b)
+                breaks.append(Break(b.sym.name, reason, source_line(b), b.sym.id in _STRUCTURAL))
+                continue
+            device = _device_of(b)
+            if run and (
+                self.phase_of(i) != self.phase_of(run[0][0])
+                or None not in (device, run_device)
+                and device != run_device
+            ):
+                close()
+            run_device = run_device or device
+            run.append((i, b))
+        close()
+        return Plan(sequence, breaks)
+
+    def _close_run(self, run: list[tuple[int, BoundSymbol]], sequence: list, breaks: list[Break]) -> None:
+        ops = [(i, b) for i, b in run if b.sym.id not in TRANSPARENT]
+        if len(ops) < self.min_size:
+            sequence.extend(b for _, b in run)
+            for _, b in ops:
+                reason = f"would form a graph of {len(ops)} op(s), fewer than min_region_size={self.min_size}"
+                breaks.append(Break(b.sym.name, reason, source_line(b)))
+            return
+        spec = self._spec(ops)
+        sequence.append(spec)
+        produced_inside = {p.name for _, b in ops for p in b.flat_proxy_outs}
+        for _, b in run:
+            if b.sym.id in TRANSPARENT:
+                kept = [p for p in b.flat_proxy_args if p.name not in produced_inside]
+                if kept and b.sym.id == prims.PrimIDs.DEL:
+                    sequence.append(prims.python_del.bind(*kept, output=None))
+
+    def _spec(self, ops: list[tuple[int, BoundSymbol]]) -> RegionSpec:
+        last = ops[-1][0]
+        produced: dict[str, TensorProxy] = {}
+        inputs: dict[str, TensorProxy] = {}
+        for _, b in ops:
+            for p in b.flat_proxy_args:
+                if p.name not in produced and p.name not in inputs:
+                    inputs[p.name] = p
+            for p in b.flat_proxy_outs:
+                produced.setdefault(p.name, p)
+        outputs = [
+            p
+            for name, p in produced.items()
+            if name in self.trace_outputs or any(c > last for c in self.consumers.get(name, ()))
+        ]
+        written = written_inputs([b for _, b in ops], inputs)
+        mutated = set().union(*written.values())
+        return RegionSpec(
+            bound_symbols=[b for _, b in ops],
+            inputs=list(inputs.values()),
+            outputs=outputs,
+            device=_device_of(ops[0][1]) or next(filter(None, map(_device_of, (b for _, b in ops))), "cpu"),
+            phase=self.phase_of(ops[0][0]),
+            returned=frozenset(p.name for p in outputs if p.name in self.returned),
+            mutated=frozenset(mutated),
+            mutated_trace_inputs=frozenset(n for n in mutated if self._root_is_trace_input(n)),
+            written=written,
+        )
+
+    def _root_is_trace_input(self, name: str) -> bool:
+        """Whether ``name`` is, possibly through update_aliases, an input of the trace."""
+        while name in self.producer:
+            _, b = self.producer[name]
+            if b.sym.id in _UNPACKS:
+                return True
+            if b.sym.id != prims.PrimIDs.UPDATE_ALIASES and b.sym.name != "update_aliases":
+                return False
+            position = [p.name for p in b.flat_proxy_outs].index(name)
+            name = b.flat_proxy_args[position].name
+        return True
+
+    def _keepable_static(self, spec: RegionSpec, name: str, graph_outputs: set[str]) -> bool:
+        proxy = next(p for p in spec.inputs if p.name == name)
+        return (
+            ProxyTag.STATIC_MEMORY_LOCATION in proxy.tags
+            or name in graph_outputs
+            or name in self.declared_static
+            or name in spec.mutated_trace_inputs
+        )
+
+    def _hazards(self, plan: Plan) -> dict[int, str]:
+        hazards: dict[int, str] = {}
+        graph_outputs = set(self.graph_outputs)
+        for spec in plan.regions:
+            for name in sorted(spec.mutated):
+                if self._keepable_static(spec, name, graph_outputs):
+                    continue
+                why = f"writes in place into {name}, which is produced outside the graph on every call"
+                for b in spec.bound_symbols:
+                    if name in spec.written.get(id(b), ()):
+                        hazards[id(b)] = why
+            graph_outputs.update(p.name for p in spec.outputs)
+        hazards.update(self._split_hazards(plan))
+        return hazards
+
+    def _split_hazards(self, plan: Plan) -> dict[int, str]:
+        """Forward in-place writes that Thunder's forward/backward split would move into the backward pass."""
+        ret = self.bsyms[-1] if self.bsyms else None
+        if not any(b.sym.id == prims.PrimIDs.GET_GRAD for b in self.bsyms) or ret is None:
+            return {}
+        out = ret.args[0]
+        initial = {p.name for p in _flat_proxies(out.get("fw_flat_out"))}
+        initial |= {p.name for p in _flat_proxies(out.get("flat_args"))}
+
+        forward_members = set()
+        names = set(initial)
+        for b in reversed(self.bsyms):
+            if b.sym.id in (prims.PrimIDs.RETURN, prims.PrimIDs.GET_GRAD) or b.sym.id in TRANSPARENT:
+                continue
+            if any(p.name in names for p in b.flat_proxy_outs) or b.sym.id == prims.PrimIDs.UNPACK_TRIVIAL:
+                forward_members.add(id(b))
+                names |= {p.name for p in (*b.flat_proxy_args, *b.flat_proxy_outs)}
+            elif is_inplace_write(b) and b.args[1].name in names:
+                forward_members.add(id(b))
+                names |= {p.name for p in b.flat_proxy_args}
+
+        hazards = {}
+        names = set(initial)
+        for item in reversed(plan.sequence):
+            if isinstance(item, RegionSpec):
+                outs, args = item.outputs, item.inputs
+                members = item.bound_symbols
+            else:
+                if item.sym.id in (prims.PrimIDs.RETURN, prims.PrimIDs.GET_GRAD) or item.sym.id in TRANSPARENT:
+                    continue
+                outs, args, members = item.flat_proxy_outs, item.flat_proxy_args, [item]
+            forward = any(p.name in names for p in outs) or (
+                not isinstance(item, RegionSpec) and item.sym.id == prims.PrimIDs.UNPACK_TRIVIAL
+            )
+            if not forward and not isinstance(item, RegionSpec) and is_inplace_write(item):
+                forward = item.args[1].name in names
+            if forward:
+                names |= {p.name for p in (*args, *outs)}
+            elif isinstance(item, RegionSpec):
+                for b in members:
+                    if id(b) in forward_members:
+                        hazards[id(b)] = "is a forward in-place update that must run in the forward pass"
+        return hazards
+
+
+def plan_regions(
+    trace: TraceCtx,
+    reason_of: Callable[[BoundSymbol], str | None],
+    *,
+    min_size: int,
+    declared_static: Collection[str] = (),
+    graph_outputs: Collection[str] = (),
+) -> Plan:
+    """Cuts ``trace`` into regions.
+
+    Args:
+        trace: the trace to cut; it is not modified.
+        reason_of: why a bound symbol must stay out of graphs, or ``None`` if it may be captured.
+        min_size: runs with fewer ops stay eager.
+        declared_static: names of tensors declared static (legacy ``num_static_inputs``).
+        graph_outputs: names of tensors that graphs of earlier traces of the same function produced.
+    """
+    return _Planner(trace, reason_of, min_size, declared_static, graph_outputs).plan()

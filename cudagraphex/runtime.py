@@ -1,0 +1,550 @@
+"""Capture and replay of the regions of one compiled function.
+
+Invariants
+==========
+
+What is static
+    A graph reads and writes its *static* inputs at the addresses they had when it was captured: parameters and
+    buffers, tensors that another graph of the same compiled function produced (forward outputs saved for backward),
+    tensors declared static, and trace inputs the graph writes in place. Before every replay those addresses are
+    compared with the current inputs in one C++ call, and a graph is never replayed against a moved static input: the
+    runtime captures another instance for the new addresses, or demotes the input to a copied one (see ``_on_moved``).
+    Graphs hold the addresses of static inputs, not the tensors, so replacing a parameter frees the old one.
+    Every other tensor input is *copied*: one batched copy moves it into a buffer the graph owns, skipped for an input
+    that already is that buffer; if the graph writes that input in place, the buffer is copied back after the replay.
+
+Who owns which memory
+    Graph memory (intermediates and outputs) lives in a pool. The graphs of one compiled function on one device share
+    a pool and are captured on one stream in call order, so a later graph reuses the memory of an earlier graph's
+    intermediates. Instances captured because the shared pool was busy (see below) get a pool of their own.
+    A graph keeps its outputs alive; those tensors are its *anchors*. Callers never receive an anchor: they receive a
+    new tensor aliasing the anchor's storage (no copy), or a copy for an output they were seen to hold across calls.
+    Input buffers are ordinary allocations owned by the graph. Everything is owned by the compiled function, through
+    its compile data, and is freed with it.
+
+When a graph may be replayed
+    A replay writes every storage the graph allocated during capture, and may write storages that graphs captured
+    later in the same pool took from its freed intermediates. It may run only when each of those storages is
+    referenced by anchors alone: no output the caller holds, no tensor saved for a pending backward, no gradient kept
+    in ``.grad``. The check is one sum of storage use counts against a precomputed baseline. When it fails, nothing is
+    overwritten: held outputs that the caller receives switch to copy-on-return, and the call replays another instance
+    whose storages are free, captures one in a pool of its own, or runs eagerly.
+
+Capture
+    The first call for a given input signature runs eagerly; it is the warm-up (lazy initialisation, compilation of
+    inner fusions). A later call captures and then replays, so every call applies its side effects exactly once.
+    A capture that fails leaves the process as it was (RNG state restored, current stream unchanged) and the region
+    runs eagerly from then on, with one warning. The number of instances per region is bounded; past the bound new
+    signatures run eagerly, with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cudagraphex._protections import PROTECTIONS
+from cudagraphex.capture import (
+    CaptureFailed,
+    CudaBackend,
+    EmulatedBackend,
+    EmulatedGraph,
+    expanded_dims,
+    unexpand,
+)
+from cudagraphex.static_inputs import InputKind
+
+__all__ = [
+    "FunctionGraphs",
+    "GraphOptions",
+    "GraphedRegion",
+    "RegionInfo",
+    "StrictModeError",
+]
+
+logger = logging.getLogger("cudagraphex")
+
+_use_count = torch._C._storage_Use_Count
+_ptrs_equal = torch._C._tensors_data_ptrs_at_indices_equal
+
+
+class StrictModeError(RuntimeError):
+    """Raised in strict mode where cudagraphex would otherwise run a region eagerly."""
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """Options of a :class:`~cudagraphex.CUDAGraphExecutor`; validated on construction."""
+
+    min_region_size: int = 2
+    max_graphs_per_region: int = 8
+    warmup_calls: int = 1
+    share_pool: bool = True
+    strict: bool = False
+    backend: str = "cuda"
+
+    def __post_init__(self) -> None:
+        for name in ("min_region_size", "max_graphs_per_region"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.warmup_calls, int) or isinstance(self.warmup_calls, bool) or self.warmup_calls < 0:
+            raise ValueError(f"warmup_calls must be an int >= 0, got {self.warmup_calls!r}")
+        for name in ("share_pool", "strict"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")  # noqa: TRY004 (contract)
+        if self.backend not in ("cuda", "emulate"):
+            raise ValueError(f"backend must be 'cuda' or 'emulate', got {self.backend!r}")
+
+
+@dataclass
+class RegionInfo:
+    """What a region is, for diagnostics."""
+
+    name: str
+    phase: str
+    device: str
+    num_ops: int
+    input_names: list[str]
+    output_names: list[str]
+    returned: frozenset[str]
+    mutated: frozenset[str]
+
+
+class _Pool:
+    """A memory pool and the instances captured into it, in capture order."""
+
+    def __init__(self, handle: Any, shared: bool) -> None:
+        self.handle = handle
+        self.shared = shared
+        self.instances: list[_Instance] = []
+
+    def register(self, instance: _Instance) -> None:
+        # A replay of an earlier instance may write memory this one took from the earlier one's intermediates.
+        for earlier in self.instances:
+            earlier.watch(instance)
+        instance.watch(instance)
+        self.instances.append(instance)
+
+
+class FunctionGraphs:
+    """All graphs of one compiled function: its pools and its regions, grouped by the trace they came from."""
+
+    def __init__(self, backend: CudaBackend | EmulatedBackend, options: GraphOptions) -> None:
+        self.backend = backend
+        self.options = options
+        self._shared_pools: dict[torch.device, _Pool] = {}
+        #: One entry per trace cudagraphex processed: (label, plan breaks, regions).
+        self.traces: list[tuple[str, list, list[GraphedRegion]]] = []
+        #: Names of tensors that graphs of the last forward trace produced (for a following backward trace).
+        self.forward_graph_outputs: frozenset[str] = frozenset()
+        #: Every fusion built for this function, by its unique name (owned by the executor module).
+        self.fusions: dict[str, Any] = {}
+
+    def next_fusion_id(self) -> int:
+        """A number unique within this compiled function, so fusion names never collide across its traces."""
+        return len(self.fusions)
+
+    def pool(self, device: torch.device, *, private: bool) -> _Pool:
+        if private or not self.options.share_pool:
+            return _Pool(self.backend.new_pool(device), shared=False)
+        pool = self._shared_pools.get(device)
+        if pool is None:
+            pool = self._shared_pools[device] = _Pool(self.backend.new_pool(device), shared=True)
+        return pool
+
+    def regions(self) -> list[GraphedRegion]:
+        return [r for _, _, regions in self.traces for r in regions]
+
+
+def _signature(args: Sequence[Any]) -> tuple:
+    keyed = PROTECTIONS["signature_guard"]
+    return tuple(
+        (a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a if keyed else None)
+        for a in args
+    )
+
+
+def _input_buffer(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """A buffer for copied input ``a``, the tensor the graph reads (same strides as ``a``), and ``a``'s expanded dims.
+
+    An expanded input (a broadcast cotangent, say) gets a buffer without the expanded dims, read through ``expand``.
+    """
+    expanded = expanded_dims(a)
+    if expanded:
+        small = torch.empty([1 if d in expanded else n for d, n in enumerate(a.shape)], dtype=a.dtype, device=a.device)
+        return small, small.expand(a.shape), expanded
+    buf = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+    if torch._debug_has_internal_overlap(buf) != 0:
+        buf = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    return buf, buf, ()
+
+
+def _alias(storage: torch.UntypedStorage, like: torch.Tensor, meta: tuple) -> torch.Tensor:
+    size, stride, offset = meta
+    return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, offset, size, stride)
+
+
+class _Instance:
+    """One captured graph of a region, for one input signature and one set of static addresses."""
+
+    def __init__(
+        self,
+        region: GraphedRegion,
+        key: tuple,
+        args: Sequence[torch.Tensor],
+        pool: _Pool,
+    ) -> None:
+        kinds = region.kinds
+        n = len(args)
+        self.region = region
+        self.key = key
+        self.pool = pool
+        self.static = [i for i in range(n) if kinds[i].is_static]
+        self.static_ptrs: list[int | None] = [args[i].data_ptr() if kinds[i].is_static else None for i in range(n)]
+        copied = [i for i in range(n) if kinds[i] is InputKind.COPIED]
+        self.values = [(i, args[i]) for i in range(n) if kinds[i] is InputKind.HOST_VALUE]
+        self.copied_meta = [(i, args[i].shape, args[i].stride(), args[i].dtype) for i in copied]
+        graph_args = list(args)
+        #: (input index, buffer, address the graph reads, expanded dims to narrow the input to before copying)
+        self.copied: list[tuple[int, torch.Tensor, int, tuple[int, ...]]] = []
+        for i in copied:
+            buf, graph_args[i], expanded = _input_buffer(args[i])
+            buf.copy_(unexpand(args[i], expanded))
+            self.copied.append((i, buf, graph_args[i].data_ptr(), expanded))
+        self.copy_back = [(i, buf) for i, buf, _, _ in self.copied if i in region.mutated_idx]
+
+        before = region.backend.reserved_bytes(region.device)
+        start = time.perf_counter()
+        self.graph, outputs = region.backend.capture(
+            region.fn,
+            graph_args,
+            pool=pool.handle,
+            device=region.device,
+            static=self.static,
+            mutated=sorted(region.mutated_idx),
+        )
+        self.emulated = isinstance(self.graph, EmulatedGraph)
+        self.capture_seconds = time.perf_counter() - start
+        self.pool_bytes = region.backend.reserved_bytes(region.device) - before
+        self.replays = 0
+        self._adopt_outputs(
+            outputs,
+            {args[i].untyped_storage().data_ptr(): i for i in self.static},
+            region,
+        )
+        del outputs
+        # Taken while nothing but anchors and input buffers references the output storages.
+        self.group_baseline = [_use_count(cd) for cd in self.group_cdata]
+
+        # Storages whose liveness gates this instance's replays: (cdata, baseline, owner instance, group).
+        self.watched: list[tuple[int, int, _Instance, int]] = []
+        self.watch_cdata: list[int] = []
+        self.watch_baseline = 0
+
+    def _adopt_outputs(
+        self,
+        outputs: Sequence[torch.Tensor],
+        static_storages: dict[int, int],
+        region: GraphedRegion,
+    ) -> None:
+        """Splits the captured outputs into borrowed ones (aliasing a static input) and anchors grouped by storage."""
+        self.borrowed: list[tuple[int, tuple] | None] = []
+        self.anchors: list[torch.Tensor | None] = []
+        self.group_of: list[int] = []
+        self.group_cdata: list[int] = []
+        group_index: dict[int, int] = {}
+        for out in outputs:
+            storage = out.untyped_storage()
+            if storage.data_ptr() in static_storages:
+                meta = (out.shape, out.stride(), out.storage_offset())
+                self.borrowed.append((static_storages[storage.data_ptr()], meta))
+                self.anchors.append(None)
+                self.group_of.append(-1)
+                continue
+            g = group_index.setdefault(storage.data_ptr(), len(group_index))
+            if g == len(self.group_cdata):
+                self.group_cdata.append(storage._cdata)
+            self.borrowed.append(None)
+            self.anchors.append(out)
+            self.group_of.append(g)
+        groups = range(len(self.group_cdata))
+        self.group_members = [[i for i, g in enumerate(self.group_of) if g == k] for k in groups]
+        self.group_returned = [
+            any(region.info.output_names[i] in region.info.returned for i in m) for m in self.group_members
+        ]
+        self.plain = all(b is None for b in self.borrowed)
+
+    def watch(self, other: _Instance) -> None:
+        for g, cd in enumerate(other.group_cdata):
+            self.watched.append((cd, other.group_baseline[g], other, g))
+            self.watch_cdata.append(cd)
+            self.watch_baseline += other.group_baseline[g]
+
+    def free(self) -> bool:
+        """Whether no storage this instance's replay writes is referenced by anything but anchors."""
+        return sum(map(_use_count, self.watch_cdata)) == self.watch_baseline or not PROTECTIONS["output_liveness"]
+
+    def held(self) -> list[tuple[_Instance, int]]:
+        """The (instance, output group) pairs whose storage someone still references."""
+        return [(owner, g) for cd, base, owner, g in self.watched if _use_count(cd) > base]
+
+    def accepts(self, args: Sequence[torch.Tensor]) -> bool:
+        """Whether ``args`` have this instance's copied-input signature and static addresses."""
+        if PROTECTIONS["signature_guard"]:
+            for i, shape, stride, dtype in self.copied_meta:
+                a = args[i]
+                if a.shape != shape or a.stride() != stride or a.dtype != dtype:
+                    return False
+            for i, value in self.values:
+                if args[i] != value:
+                    return False
+        return self.statics_match(args)
+
+    def statics_match(self, args: Sequence[torch.Tensor]) -> bool:
+        if not self.static or not PROTECTIONS["static_address_guard"]:
+            return True
+        return _ptrs_equal(list(args), self.static_ptrs, self.static)
+
+    def moved(self, args: Sequence[torch.Tensor]) -> list[int]:
+        return [i for i in self.static if args[i].data_ptr() != self.static_ptrs[i]]
+
+    def replay(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self.copied:
+            dsts, srcs = [], []
+            for i, buf, ptr, expanded in self.copied:
+                if args[i].data_ptr() != ptr:
+                    dsts.append(buf)
+                    srcs.append(unexpand(args[i], expanded) if expanded else args[i])
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+        if self.emulated:
+            self.graph.replay(args)
+        else:
+            self.graph.replay()
+        if self.copy_back and PROTECTIONS["copy_back_mutated_inputs"]:
+            torch._foreach_copy_([args[i] for i, _ in self.copy_back], [buf for _, buf in self.copy_back])
+        self.replays += 1
+        if self.plain and not self.region.copying:
+            return [a.detach() for a in self.anchors]
+        return self._handout(args)
+
+    def _handout(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        copies: dict[int, torch.UntypedStorage] = {}
+        out = []
+        for i, anchor in enumerate(self.anchors):
+            if anchor is None:
+                source, meta = self.borrowed[i]
+                out.append(_alias(args[source].untyped_storage(), args[source], meta))
+                continue
+            g = self.group_of[i]
+            if not any(self.region.copy_output[j] for j in self.group_members[g]):
+                out.append(anchor.detach())
+            elif len(self.group_members[g]) == 1:
+                out.append(anchor.clone())
+            else:
+                if g not in copies:
+                    copies[g] = anchor.untyped_storage().clone()
+                out.append(
+                    _alias(
+                        copies[g],
+                        anchor,
+                        (anchor.shape, anchor.stride(), anchor.storage_offset()),
+                    )
+                )
+        return out
+
+
+class GraphedRegion:
+    """The callable that runs one region: replays a captured instance, captures one, or runs the region eagerly."""
+
+    def __init__(
+        self,
+        fn: Callable,
+        info: RegionInfo,
+        kinds: Sequence[InputKind],
+        graphs: FunctionGraphs,
+        input_is_mutated: Sequence[bool],
+    ) -> None:
+        self.fn = fn
+        self.info = info
+        self.kinds = list(kinds)
+        self.graphs = graphs
+        self.backend = graphs.backend
+        self.options = graphs.options
+        self.device = torch.device(info.device)
+        self.mutated_idx = {i for i, m in enumerate(input_is_mutated) if m}
+        self.instances: list[_Instance] = []
+        self.current: _Instance | None = None
+        #: Outputs handed out as copies, because the caller was seen to keep them across calls.
+        self.copy_output = [False] * len(info.output_names)
+        self.copying = False
+        self.disabled_reason: str | None = None
+        self.eager_calls: Counter[str] = Counter()
+        self.demoted: list[str] = []
+        self._calls_per_key: Counter[tuple] = Counter()
+        self._missed: Counter[tuple] = Counter()
+        self._moves: Counter[int] = Counter()
+        self._warned_budget = False
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
+        inst = self.current
+        if inst is not None and inst.accepts(args) and inst.free():
+            return inst.replay(args)
+        return self._dispatch(args)
+
+    # -- the slow path ------------------------------------------------------------------------------------------------
+
+    def _dispatch(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self.disabled_reason is not None:
+            return self._eager(args, "capture failed")
+        key = _signature(args)
+        candidates = [c for c in self.instances if c.key == key or not PROTECTIONS["signature_guard"]]
+        matching = [c for c in candidates if c.statics_match(args)]
+        for c in matching:
+            if c.free():
+                self.current = c
+                return c.replay(args)
+        if not candidates:
+            self._calls_per_key[key] += 1
+            if self._calls_per_key[key] <= self.options.warmup_calls:
+                return self._warmup(args)
+            why = "new input signature" if self.instances else "first capture"
+            return self._capture(args, key, private=False, why=why)
+        if matching:
+            return self._on_held(args, key, matching[-1])
+        return self._on_moved(args, key, candidates[-1])
+
+    def _on_held(self, args: Sequence[torch.Tensor], key: tuple, blocked: _Instance) -> list[torch.Tensor]:
+        """Every instance for these inputs would overwrite a storage someone still references."""
+        long_lived = False
+        for owner, g in blocked.held():
+            members, region = owner.group_members[g], owner.region
+            if not owner.group_returned[g]:
+                long_lived = True  # saved for a pending backward, say: it will not be released soon
+            elif all(region.copy_output[i] for i in members):
+                long_lived = True  # handed out before its outputs became copies, and still kept
+            else:
+                for i in members:
+                    region.copy_output[i] = True
+                region.copying = True
+                names = ", ".join(region.info.output_names[i] for i in members)
+                logger.info(
+                    "%s: output %s was still referenced at a later call; it is returned as a copy from now on",
+                    region.name,
+                    names,
+                )
+        if long_lived or self.options.strict:
+            return self._capture(
+                args,
+                key,
+                private=True,
+                why="the shared pool holds tensors still in use",
+            )
+        return self._eager(args, "outputs still referenced")
+
+    def _on_moved(self, args: Sequence[torch.Tensor], key: tuple, last: _Instance) -> list[torch.Tensor]:
+        """A static input is no longer at the address any instance was captured with."""
+        moved = last.moved(args)
+        capture = False
+        for i in moved:
+            kind = self.kinds[i]
+            self._moves[i] += 1
+            if kind is InputKind.DECLARED or (kind is not InputKind.PARAMETER and self._moves[i] >= 3):
+                self._demote(i)
+                capture = True
+            elif kind is InputKind.PARAMETER:
+                capture = True
+        addresses = tuple(args[i].data_ptr() for i in moved)
+        self._missed[addresses] += 1
+        if capture or self._missed[addresses] >= 2 or self.options.strict:
+            names = ", ".join(self.info.input_names[i] for i in moved)
+            return self._capture(args, key, private=False, why=f"static input(s) moved: {names}")
+        return self._eager(args, "static input moved")
+
+    def _demote(self, i: int) -> None:
+        name = self.info.input_names[i]
+        if self.kinds[i] is InputKind.COPIED:
+            return
+        logger.info(
+            "%s: %s (%s) changed address; it is copied into the graph from now on",
+            self.name,
+            name,
+            self.kinds[i].value,
+        )
+        self.kinds[i] = InputKind.COPIED
+        self.demoted.append(name)
+
+    def _capture(self, args: Sequence[torch.Tensor], key: tuple, *, private: bool, why: str) -> list[torch.Tensor]:
+        if len(self.instances) >= self.options.max_graphs_per_region:
+            message = (
+                f"cudagraphex: region {self.name} reached max_graphs_per_region={self.options.max_graphs_per_region};"
+                f" calls that would need another graph ({why}) run eagerly"
+            )
+            if self.options.strict:
+                raise StrictModeError(message)
+            if not self._warned_budget:
+                self._warned_budget = True
+                warnings.warn(message, stacklevel=2)
+            return self._eager(args, "graph budget exhausted")
+        pool = self.graphs.pool(self.device, private=private)
+        try:
+            inst = _Instance(self, key, args, pool)
+        except CaptureFailed as e:
+            self.disabled_reason = str(e)
+            message = f"cudagraphex: capturing region {self.name} failed ({e}); it runs eagerly from now on"
+            if self.options.strict:
+                raise StrictModeError(message) from e
+            warnings.warn(message, stacklevel=2)
+            return self._eager(args, "capture failed")
+        pool.register(inst)
+        self.instances.append(inst)
+        self.current = inst
+        logger.info(
+            "%s: captured graph %d (%s) in %.1f ms%s",
+            self.name,
+            len(self.instances),
+            why,
+            inst.capture_seconds * 1e3,
+            "" if pool.shared else ", in a pool of its own",
+        )
+        return inst.replay(args)
+
+    def _warmup(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The eager warm-up call; also catches in-place writes the trace analysis missed, via version counters."""
+        watched = [i for i in range(len(args)) if i not in self.mutated_idx and self.kinds[i] is InputKind.COPIED]
+        before = {i: _version(args[i]) for i in watched}
+        out = self._eager(args, "warm-up")
+        for i in watched:
+            if before[i] is not None and _version(args[i]) != before[i]:
+                logger.info(
+                    "%s: the warm-up wrote into %s; it is copied back after replays",
+                    self.name,
+                    self.info.input_names[i],
+                )
+                self.mutated_idx.add(i)
+        return out
+
+    def _eager(self, args: Sequence[torch.Tensor], reason: str) -> list[torch.Tensor]:
+        self.eager_calls[reason] += 1
+        if reason not in ("warm-up",):
+            logger.debug("%s: running eagerly (%s)", self.name, reason)
+        return self.fn(*args)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None

@@ -1,0 +1,103 @@
+"""Which bound symbols may be captured into a CUDA graph.
+
+A symbol is graph-safe when replaying the kernels it launched at capture time computes, on every later call, what
+running the symbol would compute. That rules out symbols that talk to the host (unpacking inputs, returning,
+freeing names, reading a device value into Python, Thunder's host-side RNG state), collectives, symbols whose inputs
+or outputs are not tensors on the graph's device, and symbols whose outputs have data-dependent shapes.
+
+:func:`unsafe_reason` answers with a human-readable reason, or ``None`` for a graph-safe symbol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import thunder.distributed.prims as dist_prims
+from thunder.core import prims
+from thunder.core.proxies import Proxy, TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.executors.torchex import ex as torch_executor
+
+from cudagraphex._protections import PROTECTIONS
+
+__all__ = ["NEVER_CAPTURED", "TRANSPARENT", "is_inplace_write", "unsafe_reason"]
+
+
+def _with_torch_lowerings(ids: Iterable, reason: str) -> dict:
+    """Maps each symbol id, and the id of the torch executor's implementation of it, to ``reason``."""
+    out = {}
+    for sym_id in ids:
+        out[sym_id] = reason
+        impl = torch_executor.implmap.get(sym_id)
+        if impl is not None and impl.symbol is not None:
+            out[impl.symbol.id] = reason
+    return out
+
+
+_UNPACKS = [p for p in prims.PrimIDs if p.name.startswith("UNPACK_")]
+
+#: Symbol ids that never enter a graph, with the reason recorded for them.
+NEVER_CAPTURED: dict = {
+    **{p: "unpacks the trace's inputs on the host" for p in _UNPACKS},
+    prims.PrimIDs.RETURN: "returns from the trace",
+    prims.PrimIDs.GET_GRAD: "marks where the backward pass starts",
+    "clear_mutable_collection": "empties a Python collection",
+    **_with_torch_lowerings([prims.PrimIDs.ITEM, "torch.Tensor.item"], "reads a device value on the host"),
+    **_with_torch_lowerings(
+        [prims.PrimIDs.GET_AND_UPDATE_RNG_STATE],
+        "reads and advances the host-side RNG state",
+    ),
+    **_with_torch_lowerings(list(dist_prims.PrimIDs), "is a distributed communication op"),
+    **{
+        name: "has an output shape that depends on tensor values"
+        for name in (
+            "torch.nonzero",
+            "torch.Tensor.nonzero",
+            "torch.masked_select",
+            "torch.unique",
+            "torch.argwhere",
+        )
+    },
+}
+
+#: Symbols that are never captured but do not split a region: they move behind the graph that spans them.
+TRANSPARENT = frozenset({prims.PrimIDs.DEL, prims.PrimIDs.COMMENT})
+
+
+def is_inplace_write(bsym: BoundSymbol) -> bool:
+    """True for ``copy_`` (Thunder's functional form of every in-place op) in any of its lowerings."""
+    return bsym.sym.id == prims.PrimIDs.COPY_ or bsym.sym.name == "copy_"
+
+
+def _tensor_problem(p: Proxy, device_type: str, role: str) -> str | None:
+    if not isinstance(p, TensorProxy):
+        if not PROTECTIONS["host_values_stay_out"]:
+            return None
+        return f"{role} a host value ({p.name}: {type(p).__name__}) that a graph would freeze at capture time"
+    if p.device.type != device_type:
+        return f"{role} a tensor on {p.device.device_str()} ({p.name}), not on a {device_type} device"
+    return None
+
+
+def unsafe_reason(bsym: BoundSymbol, device_type: str = "cuda") -> str | None:
+    """Why ``bsym`` must stay out of a graph whose tensors live on ``device_type``; ``None`` if it may be captured.
+
+    A symbol the executors have not lowered yet, or a fusion, is graph-safe only if all its subsymbols are, since
+    those are what will run. An already lowered operator is judged by its own inputs and outputs.
+    """
+    reason = NEVER_CAPTURED.get(bsym.sym.id)
+    if reason is not None:
+        return reason
+    if bsym.sym.id in TRANSPARENT:
+        return "only frees Python names"
+    for p in bsym.flat_proxy_args:
+        if (problem := _tensor_problem(p, device_type, "uses")) is not None:
+            return problem
+    for p in bsym.flat_proxy_outs:
+        if (problem := _tensor_problem(p, device_type, "produces")) is not None:
+            return problem
+    if bsym.sym.executor is None or bsym.sym.is_fusion:
+        for sub in bsym.subsymbols:
+            if (reason := unsafe_reason(sub, device_type)) is not None:
+                return f"calls {sub.sym.name}, which {reason}"
+    return None

@@ -1,0 +1,28 @@
+"""Shared fixtures: every behaviour is tested on the CPU replay backend, and on real CUDA graphs where a GPU exists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import BACKENDS
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=[pytest.param("emulate"), pytest.param("cuda", marks=pytest.mark.cuda)])
+def backend(request):
+    """A :class:`tests.helpers.Backend`: the executor to test and the device its tensors live on."""
+    return BACKENDS[request.param]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

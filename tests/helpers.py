@@ -1,0 +1,81 @@
+"""Helpers for the tests: the two backends, jitting with cudagraphex in either list position, and graph inspection."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import thunder
+import torch
+from thunder.extend import register_executor
+
+from cudagraphex import CUDAGraphExecutor, cudagraphex
+from cudagraphex._protections import PROTECTIONS
+from cudagraphex.runtime import FunctionGraphs, GraphedRegion
+
+emulated = CUDAGraphExecutor("cudagraphex_emulate", backend="emulate")
+register_executor(emulated)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    executor: CUDAGraphExecutor
+    device: str
+
+
+BACKENDS = {"emulate": Backend("emulate", emulated, "cpu"), "cuda": Backend("cuda", cudagraphex, "cuda")}
+
+
+def executors(ex: CUDAGraphExecutor, position: str = "first") -> list:
+    if position == "first":
+        return [ex, *thunder.get_default_executors()]
+    assert position == "last"
+    return [*thunder.get_default_executors(), ex]
+
+
+def jit(fn, ex: CUDAGraphExecutor, position: str = "first", **kwargs):
+    return thunder.jit(fn, executors=executors(ex, position), **kwargs)
+
+
+def graphs(jfn, ex: CUDAGraphExecutor) -> FunctionGraphs:
+    return thunder.compile_data(jfn)._cudagraphex[ex.name]
+
+
+def regions(jfn, ex: CUDAGraphExecutor, phase: str | None = None) -> list[GraphedRegion]:
+    return [r for r in graphs(jfn, ex).regions() if phase is None or r.info.phase == phase]
+
+
+def num_graphs(jfn, ex: CUDAGraphExecutor, phase: str | None = None) -> int:
+    return sum(len(r.instances) for r in regions(jfn, ex, phase))
+
+
+def replays(jfn, ex: CUDAGraphExecutor) -> int:
+    return sum(i.replays for r in regions(jfn, ex) for i in r.instances)
+
+
+@contextmanager
+def protection_off(*names: str):
+    """Switches protections off, to show that a test fails without them."""
+    saved = {n: PROTECTIONS[n] for n in names}
+    try:
+        for n in names:
+            assert n in PROTECTIONS, n
+            PROTECTIONS[n] = False
+        yield
+    finally:
+        PROTECTIONS.update(saved)
+
+
+def twin(module: torch.nn.Module) -> torch.nn.Module:
+    """An independent copy of ``module``, for the eager reference."""
+    return copy.deepcopy(module)
+
+
+def assert_grads_close(module: torch.nn.Module, reference: torch.nn.Module, **kwargs) -> None:
+    for (name, p), r in zip(module.named_parameters(), reference.parameters(), strict=True):
+        if p.grad is None or r.grad is None:
+            assert p.grad is None and r.grad is None, name
+            continue
+        torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"grad of {name}: {m}", **kwargs)

@@ -1,0 +1,653 @@
+"""The correctness contract: with cudagraphex a program computes exactly what it computes without it.
+
+One section per point of the contract. Each point has user-level scenarios, run on the CPU replay backend and on real
+CUDA graphs, and one test that switches the point's protection off and shows the program going wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+
+import pytest
+import thunder
+import torch
+from thunder.extend import OperatorExecutor, register_executor
+
+from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
+from cudagraphex import CUDAGraphExecutor, StrictModeError
+from cudagraphex.capture import is_capturing
+from tests.helpers import (
+    assert_grads_close,
+    emulated,
+    jit,
+    num_graphs,
+    protection_off,
+    regions,
+    replays,
+    twin,
+)
+
+# -- 1. outputs the caller holds are never overwritten --------------------------------------------------------------
+
+
+def test_inference_loop_keeps_every_output(backend):
+    model = mlp(4, 32).to(backend.device).eval()
+    jm = jit(model, backend.executor)
+    inputs = [torch.randn(8, 32, device=backend.device) for _ in range(6)]
+    with torch.no_grad():
+        outputs = [jm(x) for x in inputs]
+        views = [out[0] for out in outputs]
+        for x, out, view in zip(inputs, outputs, views, strict=True):
+            torch.testing.assert_close(out, model(x))
+            torch.testing.assert_close(view, model(x)[0])
+    assert replays(jm, backend.executor) >= 3
+
+
+def held_outputs_survive(ex) -> bool:
+    model = mlp(2, 16).eval()
+    jm = jit(model, ex)
+    x1, x2, x3 = (torch.randn(4, 16) for _ in range(3))
+    with torch.no_grad():
+        jm(x1)  # warm-up
+        y1 = jm(x1)  # captured and replayed
+        y2 = jm(x2)
+        y3 = jm(x3)
+        return all(torch.equal(y, model(x)) for y, x in ((y1, x1), (y2, x2), (y3, x3)))
+
+
+def test_output_protection_bites():
+    assert held_outputs_survive(emulated)
+    with protection_off("output_liveness"):
+        assert not held_outputs_survive(emulated)
+
+
+# -- 2. tensors saved for backward are never overwritten before their backward ---------------------------------------
+
+
+@pytest.mark.parametrize("order", ["same", "reverse"])
+def test_two_forwards_then_two_backwards(backend, order):
+    model = mlp(3, 16).to(backend.device)
+    reference = twin(model)
+    jm = jit(model, backend.executor)
+    for _ in range(3):
+        a, b = (torch.randn(4, 16, device=backend.device) for _ in range(2))
+        la, lb = jm(a).square().mean(), jm(b).square().mean()
+        ra, rb = reference(a).square().mean(), reference(b).square().mean()
+        for loss in (la, lb) if order == "same" else (lb, la):
+            loss.backward()
+        ra.backward()
+        rb.backward()
+        assert_grads_close(model, reference)
+        model.zero_grad()
+        reference.zero_grad()
+
+
+def test_retain_graph_and_a_second_backward(backend):
+    model = mlp(3, 16).to(backend.device)
+    reference = twin(model)
+    jm = jit(model, backend.executor)
+    for _ in range(3):
+        x = torch.randn(4, 16, device=backend.device)
+        loss, ref = jm(x).square().mean(), reference(x).square().mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        ref.backward(retain_graph=True)
+        ref.backward()
+        assert_grads_close(model, reference)
+        model.zero_grad()
+        reference.zero_grad()
+
+
+def test_siamese_network(backend):
+    encoder = mlp(3, 16).to(backend.device)
+    reference = twin(encoder)
+    je = jit(encoder, backend.executor)
+    for _ in range(4):
+        a, b = (torch.randn(8, 16, device=backend.device) for _ in range(2))
+        loss = torch.nn.functional.cosine_similarity(je(a), je(b)).mean()
+        ref = torch.nn.functional.cosine_similarity(reference(a), reference(b)).mean()
+        torch.testing.assert_close(loss, ref)
+        loss.backward()
+        ref.backward()
+        assert_grads_close(encoder, reference)
+        encoder.zero_grad()
+        reference.zero_grad()
+
+
+def two_forward_grads_match(ex) -> bool:
+    model = mlp(2, 16)
+    reference = twin(model)
+    jm = jit(model, ex)
+    ok = True
+    for _ in range(3):
+        a, b = torch.randn(4, 16), torch.randn(4, 16)
+        try:
+            (jm(a).square().mean() + jm(b).square().mean()).backward()
+        except RuntimeError as e:  # the emulation bumps version counters, so autograd may notice the overwrite
+            assert "modified by an inplace operation" in str(e)
+            return False
+        (reference(a).square().mean() + reference(b).square().mean()).backward()
+        ok &= all(torch.allclose(p.grad, r.grad) for p, r in zip(model.parameters(), reference.parameters()))
+        model.zero_grad()
+        reference.zero_grad()
+    return ok
+
+
+def test_saved_tensor_protection_bites():
+    assert two_forward_grads_match(emulated)
+    with protection_off("output_liveness"):
+        assert not two_forward_grads_match(emulated)
+
+
+# -- 3. in-place updates of inputs are visible and applied exactly once per call -------------------------------------
+
+
+def accumulate(buf, x):
+    buf.add_(x)
+    return x * 2 + buf.sum()
+
+
+def test_inplace_update_of_an_input_is_applied_once_per_call(backend):
+    jf = jit(accumulate, backend.executor)
+    buf = torch.zeros(4, device=backend.device)
+    expected = torch.zeros(4, device=backend.device)
+    for i in range(5):
+        x = torch.full((4,), float(i + 1), device=backend.device)
+        out = jf(buf, x)
+        expected += x
+        torch.testing.assert_close(buf, expected)
+        torch.testing.assert_close(out, x * 2 + expected.sum())
+    assert replays(jf, backend.executor) >= 3
+
+
+def test_batchnorm_running_statistics(backend):
+    model = conv_bn().to(backend.device).train()
+    reference = twin(model)
+    jm = jit(model, backend.executor)
+    for _ in range(5):
+        x = torch.randn(4, 3, 8, 8, device=backend.device)
+        torch.testing.assert_close(jm(x), reference(x))
+        for (name, b), r in zip(model.named_buffers(), reference.buffers(), strict=True):
+            torch.testing.assert_close(b, r, msg=lambda m, name=name: f"{name}: {m}")
+    assert replays(jm, backend.executor) >= 3
+
+
+class KVDecoder(torch.nn.Module):
+    """One-token decode steps that write keys and values into static caches with ``index_copy_``."""
+
+    def __init__(self, dim=16, max_len=12):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(dim, dim) for _ in range(3))
+        self.register_buffer("k_cache", torch.zeros(1, max_len, dim))
+        self.register_buffer("v_cache", torch.zeros(1, max_len, dim))
+
+    def forward(self, x, pos, mask):
+        self.k_cache.index_copy_(1, pos, self.k(x))
+        self.v_cache.index_copy_(1, pos, self.v(x))
+        scores = (self.q(x) @ self.k_cache.transpose(1, 2)) / 4 + mask
+        return scores.softmax(-1) @ self.v_cache
+
+
+def test_decode_loop_with_a_kv_cache(backend):
+    model = KVDecoder().to(backend.device)
+    reference = twin(model)
+    jm = jit(model, backend.executor)
+    outs = []
+    with torch.no_grad():
+        for step in range(8):
+            x = torch.randn(1, 1, 16, device=backend.device)
+            pos = torch.tensor([step], device=backend.device)
+            mask = torch.full((1, 1, 12), float("-inf"), device=backend.device)
+            mask[..., : step + 1] = 0
+            outs.append(jm(x, pos, mask))
+            torch.testing.assert_close(outs[-1], reference(x, pos, mask))
+            torch.testing.assert_close(model.k_cache, reference.k_cache)
+    assert replays(jm, backend.executor) >= 5
+
+
+def cache_passed_as_argument_stays_correct(ex) -> bool:
+    def write(cache, pos, value):
+        cache.index_copy_(0, pos, value * 2)
+        return cache.sum(0) + 1
+
+    jf = jit(write, ex)
+    cache = torch.zeros(6, 3)
+    expected = torch.zeros(6, 3)
+    for step in range(6):
+        value = torch.randn(1, 3)
+        jf(cache, torch.tensor([step]), value)
+        expected[step] = value[0] * 2
+    return torch.equal(cache, expected)
+
+
+def counter_is_applied_once(ex) -> bool:
+    def bump(counter, x):
+        counter.add_(1)
+        return x + counter
+
+    jf = jit(bump, ex)
+    counter = torch.zeros(())
+    for _ in range(4):
+        jf(counter, torch.ones(2))
+    return counter.item() == 4
+
+
+def test_inplace_protection_bites():
+    assert cache_passed_as_argument_stays_correct(emulated)
+    assert counter_is_applied_once(emulated)
+    with protection_off("mutated_inputs_stay_static", "copy_back_mutated_inputs"):
+        assert not cache_passed_as_argument_stays_correct(emulated)
+    with protection_off("undo_capture_side_effects"):
+        assert not counter_is_applied_once(emulated)
+
+
+def test_written_input_that_moves_is_demoted_and_copied_back(backend):
+    jf = jit(accumulate, backend.executor)
+    for i in range(6):
+        buf = torch.full((4,), float(i), device=backend.device)  # a new buffer every call
+        x = torch.ones(4, device=backend.device)
+        out = jf(buf, x)
+        torch.testing.assert_close(buf, torch.full((4,), float(i + 1), device=backend.device))
+        torch.testing.assert_close(out, x * 2 + buf.sum())
+
+
+# -- 4. random ops draw fresh values on every replay; forward and backward agree ---------------------------------------
+
+
+def test_dropout_is_fresh_and_forward_backward_agree(backend):
+    def f(x):
+        return torch.nn.functional.dropout(x * 1.0, p=0.5, training=True)
+
+    jf = jit(f, backend.executor)
+    masks = []
+    for _ in range(5):
+        x = torch.ones(64, 64, device=backend.device, requires_grad=True)
+        y = jf(x)
+        y.sum().backward()
+        kept = y.detach() != 0
+        torch.testing.assert_close(x.grad, kept.float() * 2)  # the backward used the forward's mask
+        masks.append(kept)
+    assert all(not torch.equal(masks[i], masks[i + 1]) for i in range(len(masks) - 1))
+    assert replays(jf, backend.executor) >= 3
+
+
+def random_draws(ex, seed=0):
+    def f(x):
+        noise = torch.randn_like(x)
+        return x * 2 + noise, torch.multinomial(x.abs() + 0.1, 2)
+
+    jf = thunder.jit(f) if ex is None else jit(f, ex)
+    torch.manual_seed(seed)
+    x = torch.rand(4, 8)
+    return [jf(x) for _ in range(5)]
+
+
+def test_random_draws_match_thunder_without_graphs():
+    plain, graphed = random_draws(None), random_draws(emulated)
+    for (a, ia), (b, ib) in zip(plain, graphed, strict=True):
+        assert torch.equal(a, b) and torch.equal(ia, ib)
+    assert not torch.equal(graphed[2][0], graphed[3][0])  # replays draw fresh values
+
+
+def test_rng_protection_bites():
+    plain = random_draws(None)
+    with protection_off("restore_rng_after_capture"):
+        graphed = random_draws(emulated)
+    assert not all(torch.equal(a, b) for (a, _), (b, _) in zip(plain, graphed, strict=True))
+
+
+def test_multinomial_warmup_uses_real_values(backend):
+    """Thunder's own test: static buffers must hold the real inputs before warm-up and capture."""
+
+    def f(weights):
+        return torch.multinomial(weights, 2)
+
+    jf = jit(f, backend.executor, cache="no caching") if False else jit(f, backend.executor)
+    weights = torch.tensor([0.0, 10.0, 3.0, 0.0], device=backend.device)
+    for _ in range(4):
+        out = jf(weights)
+        assert set(out.tolist()) <= {1, 2}
+
+
+# -- 5. per-call host values give the right result on every call --------------------------------------------------------
+
+
+def scale_by_item(x):
+    s = x.abs().max().item()
+    return (x / s).sin() * s + 1
+
+
+def host_values_follow_each_call(ex) -> bool:
+    jf = jit(scale_by_item, ex)
+    return all(torch.allclose(jf(x), scale_by_item(x)) for x in (torch.randn(8) * (i + 1) for i in range(5)))
+
+
+def test_host_value_in_a_graph_is_keyed_on_its_value():
+    """A ``can_fuse`` override may let a host value into a graph: each value then gets its own graph."""
+
+    class Permissive(CUDAGraphExecutor):
+        def can_fuse(self, bsym):
+            return super().can_fuse(bsym) or bsym.sym.name not in ("item", "python_return", "unpack_trivial")
+
+    ex = Permissive("cudagraphex_permissive", backend="emulate")
+    assert host_values_follow_each_call(ex)
+
+
+def test_host_value_protection_bites():
+    assert host_values_follow_each_call(emulated)
+    with protection_off("host_values_stay_out", "signature_guard"):
+        assert not host_values_follow_each_call(emulated)
+
+
+def test_numbers_passed_as_inputs(backend):
+    def f(x, alpha):
+        return (x * alpha).sin() + alpha
+
+    for cache in ("constant values", "symbolic values"):
+        jf = jit(f, backend.executor, cache=cache)
+        for i in range(4):
+            x = torch.randn(8, device=backend.device)
+            torch.testing.assert_close(jf(x, 0.5 * i), f(x, 0.5 * i))
+
+
+@pytest.mark.cuda
+def test_cpu_scalar_tensor_changing_every_call():
+    def f(x, scale):
+        return (x * scale).cos() + scale
+
+    jf = jit(f, BACKEND_CUDA().executor)
+    for i in range(5):
+        x = torch.randn(8, device="cuda")
+        scale = torch.tensor(float(i) + 0.5)  # a CPU scalar tensor
+        torch.testing.assert_close(jf(x, scale), f(x, scale))
+
+
+def BACKEND_CUDA():
+    from tests.helpers import BACKENDS
+
+    return BACKENDS["cuda"]
+
+
+# -- 6. new shapes, dtypes and strides get their own graph, bounded in number -------------------------------------------
+
+
+def test_variable_batch_size_and_going_back(backend):
+    model = mlp(3, 16).to(backend.device).eval()
+    jm = jit(model, backend.executor)
+    with torch.no_grad():
+        for batch in (4, 8, 4, 8, 2, 4, 8):
+            for _ in range(2):
+                x = torch.randn(batch, 16, device=backend.device)
+                torch.testing.assert_close(jm(x), model(x))
+    # one trace per shape, one graph per trace; going back to a shape reuses its graph
+    assert num_graphs(jm, backend.executor) == 3
+
+
+def strided_calls(ex):
+    def f(x):
+        return x.sin() * 2 + 1
+
+    jf = jit(f, ex)
+    base = torch.randn(6, 6)
+    results = []
+    for x in (base, base, base.t(), base.t(), base, base.t()):
+        out = jf(x)
+        results.append((out.stride() == f(x).stride() and torch.equal(out, f(x))))
+    return jf, results
+
+
+def test_a_new_stride_gets_its_own_graph():
+    jf, results = strided_calls(emulated)
+    assert all(results)
+    assert num_graphs(jf, emulated) == 2
+
+
+def test_signature_protection_bites():
+    with protection_off("signature_guard"):
+        jf, results = strided_calls(emulated)
+    assert not all(results)
+
+
+def test_graph_budget_warns_once_and_runs_eagerly(backend):
+    ex = backend.executor
+    limited = CUDAGraphExecutor(f"cudagraphex_budget_{ex.name}", backend=ex._backend.name, max_graphs_per_region=2)
+
+    def f(x):
+        return x.sin() * 2 + 1
+
+    jf = jit(f, limited)
+    base = torch.randn(8, 8, device=backend.device)
+    wide, tall = torch.randn(8, 16, device=backend.device), torch.randn(16, 8, device=backend.device)
+    layouts = [base, base.t(), wide[:, ::2], tall[::2]]  # one shape, four strides
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for x in layouts:
+                torch.testing.assert_close(jf(x), f(x))
+    budget = [w for w in caught if "max_graphs_per_region=2" in str(w.message)]
+    assert len(budget) == 1
+    assert num_graphs(jf, limited) == 2
+
+
+# -- 7. a failed capture leaves the process healthy -----------------------------------------------------------------------
+
+_fragile = OperatorExecutor("cudagraphex_test_fragile")
+register_executor(_fragile)
+
+
+def _fails_under_capture(x):
+    if is_capturing():
+        if x.is_cuda:
+            torch.cuda.synchronize()  # not permitted while the stream captures
+        raise torch.OutOfMemoryError("simulated out of memory during capture")
+    return x * 3
+
+
+fragile_triple = _fragile.register_operator("fragile_triple", like=thunder.torch.neg, fn=_fails_under_capture)
+
+
+def with_fragile_op(x):
+    return fragile_triple(torch.rand_like(x) + x.sin()) * 2 + torch.rand_like(x)
+
+
+def run_fragile(ex, device):
+    torch.manual_seed(123)
+    jf = thunder.jit(with_fragile_op, executors=[ex, _fragile, *thunder.get_default_executors()])
+    x = torch.randn(16, device=device)
+    return jf, [jf(x) for _ in range(4)]
+
+
+def test_failed_capture_falls_back_once_and_keeps_rng(backend):
+    torch.manual_seed(123)
+    x = torch.randn(16, device=backend.device)
+    plain = thunder.jit(with_fragile_op, executors=[_fragile, *thunder.get_default_executors()])
+    expected = [plain(x) for _ in range(4)]
+    after_plain = torch.rand(3, device=backend.device)
+    stream = torch.cuda.current_stream() if backend.device == "cuda" else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jf, got = run_fragile(backend.executor, backend.device)
+    after_graphs = torch.rand(3, device=backend.device)
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(after_plain, after_graphs)  # the RNG is where it would be without cudagraphex
+    failed = [w for w in caught if "failed" in str(w.message)]
+    assert len(failed) == 1 and "CUDAGraph" in str(failed[0].message)
+    (region,) = regions(jf, backend.executor)
+    assert region.disabled_reason is not None and region.eager_calls["capture failed"] == 3
+    if stream is not None:
+        assert torch.cuda.current_stream() == stream
+        torch.cuda.synchronize()
+
+
+def test_capture_failure_protection_bites():
+    torch.manual_seed(123)
+    x = torch.randn(16)
+    plain = thunder.jit(with_fragile_op, executors=[_fragile, *thunder.get_default_executors()])
+    expected = [plain(x) for _ in range(4)]
+    with protection_off("restore_rng_after_capture"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, got = run_fragile(emulated, "cpu")
+    assert not all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+
+
+def test_strict_mode_raises_instead_of_falling_back(backend):
+    strict = CUDAGraphExecutor(f"cudagraphex_strict_{backend.name}", backend=backend.executor._backend.name, strict=True)
+    jf = thunder.jit(with_fragile_op, executors=[strict, _fragile, *thunder.get_default_executors()])
+    x = torch.randn(16, device=backend.device)
+    jf(x)
+    with pytest.raises(StrictModeError, match="capturing region CUDAGraph"):
+        jf(x)
+
+
+# -- 8. bad input gets a clear error; CPU programs are left alone; mixed devices split -----------------------------------
+
+
+def test_mixed_device_regions_are_split():
+    def f(x, m):
+        a = x.sin() * 2
+        b = (m + 1).exp()  # another device: never in the same graph
+        return a.cos() + 1, b
+
+    jf = jit(f, emulated)
+    for _ in range(3):
+        x = torch.randn(4)
+        out, meta = jf(x, torch.empty(4, device="meta"))
+        torch.testing.assert_close(out, (x.sin() * 2).cos() + 1)
+        assert meta.device.type == "meta"
+    for r in regions(jf, emulated):
+        assert r.info.device == "cpu"
+
+
+@pytest.mark.cuda
+def test_cuda_and_cpu_ops_are_split():
+    def f(x, y):
+        a = (x * 2).sin() + 1
+        b = (y * 2).cos() + 1  # y lives on the CPU
+        return a, b
+
+    cuda = BACKEND_CUDA().executor
+    jf = jit(f, cuda)
+    for _ in range(3):
+        x, y = torch.randn(4, device="cuda"), torch.randn(4)
+        a, b = jf(x, y)
+        torch.testing.assert_close(a, (x * 2).sin() + 1)
+        torch.testing.assert_close(b, (y * 2).cos() + 1)
+    assert [r.info.device for r in regions(jf, cuda)] == ["cuda:0"]
+
+
+# -- 9. threads ---------------------------------------------------------------------------------------------------------
+
+
+def test_two_threads_each_with_its_own_function(backend):
+    errors = []
+
+    def worker(seed):
+        try:
+            g = torch.Generator().manual_seed(seed)
+            model = mlp(4, 32).to(backend.device).eval()
+            jm = jit(model, backend.executor)
+            with torch.no_grad():
+                for _ in range(20):
+                    x = torch.randn(8, 32, generator=g).to(backend.device)
+                    out = jm(x)
+                    if not torch.allclose(out, model(x), atol=1e-5):
+                        errors.append("wrong result")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+@pytest.mark.cuda
+def test_capture_does_not_break_another_threads_kernels():
+    stop = threading.Event()
+    errors = []
+
+    def busy():
+        a = torch.randn(256, 256, device="cuda")
+        try:
+            while not stop.is_set():
+                b = a @ a
+                torch.cuda.synchronize()  # a device-wide sync while the other thread captures
+                if not torch.isfinite(b).all():
+                    errors.append("non-finite")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    thread = threading.Thread(target=busy)
+    thread.start()
+    try:
+        cuda = BACKEND_CUDA().executor
+        for width in (32, 48, 64, 80):
+            model = mlp(3, width).cuda().eval()
+            jm = jit(model, cuda)
+            with torch.no_grad():
+                for _ in range(4):
+                    x = torch.randn(8, width, device="cuda")
+                    torch.testing.assert_close(jm(x), model(x))
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == []
+
+
+# -- the randomized check ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_randomized_against_eager(backend, seed):
+    """Interleaves new shapes, held outputs, out-of-order backwards and in-place inputs, and compares with eager."""
+    rng = torch.Generator().manual_seed(seed)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)).to(backend.device)
+    reference = twin(model)
+    jm = jit(model, backend.executor)
+    jacc = jit(accumulate, backend.executor)
+    buf, ref_buf = torch.zeros(4, device=backend.device), torch.zeros(4, device=backend.device)
+    held, pending = [], []
+    steps = 40 if backend.name == "cuda" else 16
+    for _ in range(steps):
+        action = int(torch.randint(0, 5, (), generator=rng))
+        batch, length = int(torch.randint(1, 3, (), generator=rng)), int(torch.randint(8, 17, (), generator=rng)) // 8 * 8
+        idx = torch.randint(0, 64, (batch, length), generator=rng).to(backend.device)
+        if action == 0:  # inference, output kept
+            with torch.no_grad():
+                out = jm(idx)
+                torch.testing.assert_close(out, reference(idx))
+                held.append((out, out.clone()))
+        elif action in (1, 2):  # a forward whose backward runs later, maybe out of order
+            pending.append((jm(idx).square().mean(), reference(idx).square().mean()))
+            if len(pending) > 2 or action == 2:
+                loss, ref = pending.pop(int(torch.randint(0, len(pending), (), generator=rng)))
+                torch.testing.assert_close(loss, ref)
+                loss.backward()
+                ref.backward()
+                assert_grads_close(model, reference, atol=1e-5, rtol=1e-4)
+        elif action == 3:
+            x = torch.randn(4, generator=rng).to(backend.device)
+            torch.testing.assert_close(jacc(buf, x), accumulate(ref_buf, x))
+            torch.testing.assert_close(buf, ref_buf)
+        else:
+            model.zero_grad()
+            reference.zero_grad()
+        for out, snapshot in held:
+            assert torch.equal(out, snapshot)
+    for loss, ref in pending:
+        loss.backward()
+        ref.backward()
+    assert_grads_close(model, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_info_logs_name_captures_and_fallbacks(caplog):
+    with caplog.at_level(logging.INFO, logger="cudagraphex"):
+        assert held_outputs_survive(emulated)
+    messages = [r.getMessage() for r in caplog.records if r.name == "cudagraphex"]
+    assert any("captured graph 1" in m for m in messages)
+    assert any("returned as a copy from now on" in m for m in messages)

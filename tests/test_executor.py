@@ -1,0 +1,273 @@
+"""The executor: registration, options, regions and their reasons, static inputs, list positions, results."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import pytest
+import thunder
+import torch
+from thunder.extend import FusionExecutor, OperatorExecutor, get_executor, register_executor
+
+from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
+from cudagraphex import CUDAGraphExecutor, cudagraphex
+from cudagraphex.static_inputs import InputKind
+from tests.helpers import assert_grads_close, emulated, graphs, jit, num_graphs, regions, replays, twin
+
+POSITIONS = ["first", "last"]
+
+
+def small_gpt(device: str) -> GPT:
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)).to(device)
+
+
+def test_public_names_and_registration():
+    assert isinstance(cudagraphex, CUDAGraphExecutor)
+    assert isinstance(cudagraphex, FusionExecutor)
+    assert get_executor("cudagraphex") is cudagraphex
+    assert cudagraphex.name == "cudagraphex"
+    assert cudagraphex.device_type == "cuda"
+    assert emulated.device_type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"min_region_size": 0},
+        {"max_graphs_per_region": -1},
+        {"max_graphs_per_region": 1.5},
+        {"warmup_calls": -1},
+        {"share_pool": "yes"},
+        {"strict": 1},
+        {"backend": "rocm"},
+    ],
+)
+def test_invalid_options_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        CUDAGraphExecutor("bad", **kwargs)
+
+
+def with_item(x):
+    y = torch.sin(x) * 2 + 1
+    s = y.sum().item()  # a host read in the middle: the graph breaks here
+    return (torch.cos(y) * 3 + x).exp() * s
+
+
+def test_item_splits_the_trace_and_records_why():
+    jf = jit(with_item, emulated)
+    for _ in range(3):
+        x = torch.randn(8)
+        torch.testing.assert_close(jf(x), with_item(x))
+    rs = regions(jf, emulated)
+    assert len(rs) == 2
+    breaks = [b for _, bs, _ in graphs(jf, emulated).traces for b in bs if not b.structural]
+    (item_break,) = [b for b in breaks if b.reason == "reads a device value on the host"]
+    assert item_break.source is not None and item_break.source.startswith(__file__)
+    # the multiplication by the host number uses it, so it stays out too
+    assert any("host value" in b.reason for b in breaks)
+    assert all(len(r.instances) == 1 for r in rs) and replays(jf, emulated) >= 2
+
+
+def test_regions_below_min_region_size_stay_eager():
+    ex = CUDAGraphExecutor("cudagraphex_min5", backend="emulate", min_region_size=5)
+
+    def f(x):
+        return (x * 2).sin()
+
+    jf = jit(f, ex)
+    x = torch.randn(4)
+    torch.testing.assert_close(jf(x), f(x))
+    assert regions(jf, ex) == []
+    (trace_breaks,) = [bs for _, bs, _ in graphs(jf, ex).traces]
+    assert any("min_region_size=5" in b.reason for b in trace_breaks)
+
+
+def test_can_fuse_override_keeps_symbols_out():
+    class NoSin(CUDAGraphExecutor):
+        def can_fuse(self, bsym):
+            return "sin" not in bsym.sym.name and super().can_fuse(bsym)
+
+    ex = NoSin("cudagraphex_nosin", backend="emulate")
+
+    def f(x):
+        y = x * 2 + 1
+        return torch.sin(y) * 3 - 1
+
+    jf = jit(f, ex)
+    for _ in range(3):
+        x = torch.randn(4)
+        torch.testing.assert_close(jf(x), f(x))
+    assert len(regions(jf, ex)) == 2
+    breaks = [b for _, bs, _ in graphs(jf, ex).traces for b in bs]
+    assert any(b.reason == "excluded by NoSin.can_fuse" for b in breaks)
+
+
+def test_static_inputs_are_decided_by_identity():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    jm = jit(model, emulated)
+    x = torch.randn(3, 4, requires_grad=True)
+    jm(x).sum().backward()
+    (fw,) = regions(jm, emulated, "forward")
+    (bw,) = regions(jm, emulated, "backward")
+    fw_kinds = dict(zip(fw.info.input_names, fw.kinds, strict=True))
+    assert fw_kinds["input"] is InputKind.COPIED
+    assert [k for n, k in fw_kinds.items() if n != "input"] == [InputKind.PARAMETER] * 4
+    bw_kinds = dict(zip(bw.info.input_names, bw.kinds, strict=True))
+    assert bw_kinds["input"] is InputKind.COPIED  # a user input saved for backward, new every call
+    for name, kind in bw_kinds.items():
+        if "weight" in name:
+            assert kind is InputKind.PARAMETER
+        elif name in fw.info.output_names:
+            assert kind is InputKind.GRAPH_OUTPUT
+    cotangents = [n for n in bw.info.input_names if n not in fw.info.output_names and "weight" not in n]
+    assert cotangents and all(bw_kinds[n] is InputKind.COPIED for n in cotangents)
+    assert InputKind.GRAPH_OUTPUT in bw_kinds.values()
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("model_name", ["mlp", "gpt", "conv_bn"])
+def test_training_matches_eager(backend, position, model_name):
+    device = backend.device
+    if model_name == "mlp":
+        model, make = mlp(4, 32).to(device), lambda: (torch.randn(8, 32, device=device),)
+    elif model_name == "gpt":
+        model = small_gpt(device)
+        make = lambda: (torch.randint(0, 64, (2, 16), device=device), torch.randint(0, 64, (2, 16), device=device))  # noqa: E731
+    else:
+        model, make = conv_bn().to(device), lambda: (torch.randn(4, 3, 8, 8, device=device),)
+    reference = twin(model)
+    jm = jit(model, backend.executor, position)
+    for _ in range(3):
+        args = make()
+        out, expected = jm(*args), reference(*args)
+        torch.testing.assert_close(out, expected)
+        out.float().square().mean().backward()
+        expected.float().square().mean().backward()
+        assert_grads_close(model, reference)
+        for b, r in zip(model.buffers(), reference.buffers(), strict=True):
+            torch.testing.assert_close(b, r)
+        model.zero_grad()
+        reference.zero_grad()
+    assert num_graphs(jm, backend.executor, "forward") >= 1
+    assert num_graphs(jm, backend.executor, "backward") >= 1
+    assert replays(jm, backend.executor) >= 2
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_item_in_the_middle_matches_eager(backend, position):
+    jf = jit(with_item, backend.executor, position)
+    for _ in range(3):
+        x = torch.randn(16, device=backend.device, requires_grad=True)
+        out = jf(x)
+        torch.testing.assert_close(out, with_item(x))
+        out.sum().backward()
+        x_ref = x.detach().clone().requires_grad_()
+        with_item(x_ref).sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_executor_after_cudagraphex_keeps_its_grad_rule():
+    """Thunder takes a grad rule from the first executor that claims a symbol; cudagraphex must not hide later ones."""
+    custom = OperatorExecutor("custom_tanh_grad")
+    register_executor(custom)
+
+    def tanh_fwd(a):
+        return torch.tanh(a)
+
+    custom_tanh = custom.register_operator("custom_tanh", like=thunder.torch.tanh, fn=tanh_fwd)
+    custom_tanh_bwd = custom.register_operator(
+        "custom_tanh_bwd", meta=lambda y, g: thunder.TensorProxy(like=g), fn=lambda y, g: g * (1 - y * y)
+    )
+
+    def grad_rule(a):
+        y = custom_tanh(a)
+        g = thunder.core.transforms.get_grad(y)
+        thunder.core.transforms.put_grad(a, custom_tanh_bwd(y, g))
+        return y
+
+    custom.register_implementation(thunder.torch.tanh, custom_tanh, grad_transform=grad_rule)
+
+    def f(x):
+        return torch.tanh(x * 2) * 3
+
+    for position in POSITIONS:
+        execs = [emulated, custom] if position == "first" else [custom, emulated]
+        jf = thunder.jit(f, executors=execs)
+        x = torch.randn(8, requires_grad=True)
+        jf(x).sum().backward()
+        backward_trace = str(thunder.last_backward_traces(jf)[-1])
+        assert "custom_tanh_bwd" in backward_trace, position
+
+
+def test_graph_is_reused_for_new_inputs_of_the_same_shape(backend):
+    model = mlp(4, 32).to(backend.device)
+    jm = jit(model, backend.executor)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(8, 32, device=backend.device)
+            torch.testing.assert_close(jm(x), model(x))
+    assert num_graphs(jm, backend.executor) == 1
+    assert replays(jm, backend.executor) == 5  # the first call is the warm-up
+
+
+def test_graphs_die_with_the_compiled_function(backend):
+    model = mlp(2, 16).to(backend.device)
+    jm = jit(model, backend.executor)
+    with torch.no_grad():
+        for _ in range(3):
+            jm(torch.randn(4, 16, device=backend.device))
+    ref = weakref.ref(graphs(jm, backend.executor))
+    assert num_graphs(jm, backend.executor) == 1
+    del jm
+    gc.collect()
+    assert ref() is None
+
+
+def test_cpu_program_with_the_cuda_executor_is_a_noop(caplog):
+    def f(x):
+        return torch.sin(x) * 2 + 1
+
+    jf = jit(f, cudagraphex)
+    with caplog.at_level(logging.INFO, logger="cudagraphex"):
+        x = torch.randn(4)
+        torch.testing.assert_close(jf(x), f(x))
+        torch.testing.assert_close(jf(x), f(x))
+    assert regions(jf, cudagraphex) == []
+    notes = [r for r in caplog.records if r.name == "cudagraphex"]
+    assert len(notes) == 1 and "nothing to capture" in notes[0].getMessage()
+
+
+@pytest.mark.cuda
+def test_nanogpt_training_uses_one_forward_and_one_backward_graph():
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=256)).cuda()
+    reference = twin(model)
+    jm = jit(model, cudagraphex)
+    for _ in range(3):
+        idx = torch.randint(0, 256, (2, 64), device="cuda")
+        targets = torch.randint(0, 256, (2, 64), device="cuda")
+        loss, ref_loss = jm(idx, targets), reference(idx, targets)
+        torch.testing.assert_close(loss, ref_loss)
+        loss.backward()
+        ref_loss.backward()
+        assert_grads_close(model, reference, atol=1e-4, rtol=1e-3)
+        model.zero_grad()
+        reference.zero_grad()
+        del loss
+    assert len(regions(jm, cudagraphex, "forward")) == 1
+    assert len(regions(jm, cudagraphex, "backward")) == 1
+    assert num_graphs(jm, cudagraphex, "forward") == 1
+    assert num_graphs(jm, cudagraphex, "backward") == 1
+
+
+@pytest.mark.cuda
+def test_sdpa_grad_rule_is_still_used():
+    model = small_gpt("cuda").to(torch.bfloat16)
+    jm = jit(model, cudagraphex)
+    idx = torch.randint(0, 64, (2, 16), device="cuda")
+    jm(idx).float().sum().backward()
+    forward = str(thunder.last_traces(jm)[-1])
+    backward = str(thunder.last_backward_traces(jm)[-1])
+    assert "sdpaex_grad_forward_scaled_dot_product" in forward
+    assert "sdpaex_scaled_dot_product" in backward
