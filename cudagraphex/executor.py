@@ -123,7 +123,11 @@ class CUDAGraphExecutor(FusionExecutor):
     def _reason_of(self, bsym: BoundSymbol) -> str | None:
         if self.can_fuse(bsym):
             return None
-        return unsafe_reason(bsym, self.device_type) or f"excluded by {type(self).__name__}.can_fuse"
+        return unsafe_reason(bsym, self.device_type) or f"excluded by {self._can_fuse_owner()}.can_fuse"
+
+    def _can_fuse_owner(self) -> str:
+        """The class whose ``can_fuse`` decides, named in the reasons of the symbols it keeps out."""
+        return type(self).__name__
 
     # -- the fusion pass ----------------------------------------------------------------------------------------------
 

@@ -391,7 +391,7 @@ class GraphedRegion:
         self.demoted: list[str] = []
         self._calls_per_key: Counter[tuple] = Counter()
         self._missed: Counter[tuple] = Counter()
-        self._moves: Counter[int] = Counter()
+        self._miss_streaks: dict[int, tuple[int, int]] = {}
         self._warned_budget = False
 
     @property
@@ -424,7 +424,7 @@ class GraphedRegion:
             return self._capture(args, key, private=False, why=why)
         if matching:
             return self._on_held(args, key, matching[-1])
-        return self._on_moved(args, key, candidates[-1])
+        return self._on_moved(args, key, candidates)
 
     def _on_held(self, args: Sequence[torch.Tensor], key: tuple, blocked: _Instance) -> list[torch.Tensor]:
         """Every instance for these inputs would overwrite a storage someone still references."""
@@ -454,24 +454,35 @@ class GraphedRegion:
             )
         return self._eager(args, "outputs still referenced")
 
-    def _on_moved(self, args: Sequence[torch.Tensor], key: tuple, last: _Instance) -> list[torch.Tensor]:
-        """A static input is no longer at the address any instance was captured with."""
-        moved = last.moved(args)
-        capture = False
+    def _on_moved(self, args: Sequence[torch.Tensor], key: tuple, candidates: list[_Instance]) -> list[torch.Tensor]:
+        """A static input is no longer at the address any instance was captured with.
+
+        A parameter that moved, or a declared-static input (which the legacy API promised would not move), gets a new
+        capture at once. A graph output or written input that moved is usually transient (its producer ran eagerly
+        once): the call runs eagerly, the same addresses seen twice get a capture, and an input that misses on three
+        calls in a row without a replay in between is demoted to a copied input.
+        """
+        moved = min((c.moved(args) for c in candidates), key=len)
+        progress = sum(inst.replays for inst in self.instances)
+        unresolved = []
         for i in moved:
             kind = self.kinds[i]
-            self._moves[i] += 1
-            if kind is InputKind.DECLARED or (kind is not InputKind.PARAMETER and self._moves[i] >= 3):
+            if kind is InputKind.DECLARED:
                 self._demote(i)
-                capture = True
-            elif kind is InputKind.PARAMETER:
-                capture = True
-        addresses = tuple(args[i].data_ptr() for i in moved)
+            elif kind in (InputKind.GRAPH_OUTPUT, InputKind.MUTATED):
+                streak, seen_at = self._miss_streaks.get(i, (0, progress))
+                streak = streak + 1 if seen_at == progress else 1
+                self._miss_streaks[i] = (streak, progress)
+                if streak >= 3:
+                    self._demote(i)
+                else:
+                    unresolved.append(i)
+        addresses = tuple(args[i].data_ptr() for i in unresolved)
         self._missed[addresses] += 1
-        if capture or self._missed[addresses] >= 2 or self.options.strict:
-            names = ", ".join(self.info.input_names[i] for i in moved)
-            return self._capture(args, key, private=False, why=f"static input(s) moved: {names}")
-        return self._eager(args, "static input moved")
+        if unresolved and self._missed[addresses] < 2 and not self.options.strict:
+            return self._eager(args, "static input moved")
+        names = ", ".join(self.info.input_names[i] for i in moved)
+        return self._capture(args, key, private=False, why=f"static input(s) moved: {names}")
 
     def _demote(self, i: int) -> None:
         name = self.info.input_names[i]

@@ -394,7 +394,7 @@ def strided_calls(ex):
     results = []
     for x in (base, base, base.t(), base.t(), base, base.t()):
         out = jf(x)
-        results.append((out.stride() == f(x).stride() and torch.equal(out, f(x))))
+        results.append(out.stride() == f(x).stride() and torch.equal(out, f(x)))
     return jf, results
 
 
@@ -406,7 +406,7 @@ def test_a_new_stride_gets_its_own_graph():
 
 def test_signature_protection_bites():
     with protection_off("signature_guard"):
-        jf, results = strided_calls(emulated)
+        _, results = strided_calls(emulated)
     assert not all(results)
 
 
@@ -494,7 +494,9 @@ def test_capture_failure_protection_bites():
 
 
 def test_strict_mode_raises_instead_of_falling_back(backend):
-    strict = CUDAGraphExecutor(f"cudagraphex_strict_{backend.name}", backend=backend.executor._backend.name, strict=True)
+    strict = CUDAGraphExecutor(
+        f"cudagraphex_strict_{backend.name}", backend=backend.executor._backend.name, strict=True
+    )
     jf = thunder.jit(with_fragile_op, executors=[strict, _fragile, *thunder.get_default_executors()])
     x = torch.randn(16, device=backend.device)
     jf(x)
@@ -615,7 +617,10 @@ def test_randomized_against_eager(backend, seed):
     steps = 40 if backend.name == "cuda" else 16
     for _ in range(steps):
         action = int(torch.randint(0, 5, (), generator=rng))
-        batch, length = int(torch.randint(1, 3, (), generator=rng)), int(torch.randint(8, 17, (), generator=rng)) // 8 * 8
+        batch, length = (
+            int(torch.randint(1, 3, (), generator=rng)),
+            int(torch.randint(8, 17, (), generator=rng)) // 8 * 8,
+        )
         idx = torch.randint(0, 64, (batch, length), generator=rng).to(backend.device)
         if action == 0:  # inference, output kept
             with torch.no_grad():

@@ -134,7 +134,7 @@ def test_training_matches_eager(backend, position, model_name):
         model, make = mlp(4, 32).to(device), lambda: (torch.randn(8, 32, device=device),)
     elif model_name == "gpt":
         model = small_gpt(device)
-        make = lambda: (torch.randint(0, 64, (2, 16), device=device), torch.randint(0, 64, (2, 16), device=device))  # noqa: E731
+        make = lambda: (torch.randint(0, 64, (2, 16), device=device), torch.randint(0, 64, (2, 16), device=device))
     else:
         model, make = conv_bn().to(device), lambda: (torch.randn(4, 3, 8, 8, device=device),)
     reference = twin(model)

@@ -1,0 +1,214 @@
+"""What cudagraphex captured, and why the rest was left out: :func:`explain`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import thunder
+
+from cudagraphex.regions import Break
+from cudagraphex.runtime import FunctionGraphs, GraphedRegion
+
+__all__ = ["GraphReport", "RegionReport", "Report", "TraceReport", "explain"]
+
+
+@dataclass
+class GraphReport:
+    """One captured graph of a region."""
+
+    #: Shapes of the inputs copied into the graph (the ones that vary between calls).
+    input_shapes: dict[str, tuple[int, ...]]
+    replays: int
+    capture_ms: float
+    pool_bytes: int
+    own_pool: bool
+
+
+@dataclass
+class RegionReport:
+    """One region: a run of symbols that cudagraphex replaces with ``name``."""
+
+    name: str
+    phase: str
+    device: str
+    num_ops: int
+    static_inputs: dict[str, str]
+    copied_inputs: list[str]
+    outputs: list[str]
+    graphs: list[GraphReport]
+    eager_calls: dict[str, int]
+    copied_outputs: list[str]
+    demoted_inputs: list[str]
+    disabled_reason: str | None
+
+    @property
+    def replays(self) -> int:
+        return sum(g.replays for g in self.graphs)
+
+
+@dataclass
+class TraceReport:
+    """One trace cudagraphex processed (one per cache entry, and per forward/backward when the adapter is used)."""
+
+    index: int
+    label: str
+    regions: list[RegionReport]
+    breaks: list[Break]
+    structural_breaks: int
+
+
+@dataclass
+class Report:
+    """The report :func:`explain` returns: read it as text (``str(report)``) or as data (``report.to_dict()``)."""
+
+    function: str
+    traces: list[TraceReport] = field(default_factory=list)
+
+    @property
+    def regions(self) -> list[RegionReport]:
+        return [r for t in self.traces for r in t.regions]
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(r.graphs) for r in self.regions)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(g.pool_bytes for r in self.regions for g in r.graphs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        summary = (
+            f"{len(self.regions)} region(s), {self.num_graphs} graph(s), {_bytes(self.pool_bytes)} of graph memory"
+        )
+        lines = [f"cudagraphex report for {self.function}: {summary}"]
+        for t in self.traces:
+            lines.append(f"trace {t.index} ({t.label}): {len(t.regions)} region(s), {len(t.breaks)} break(s)")
+            for r in t.regions:
+                lines += _region_lines(r)
+            if t.breaks:
+                lines.append("  kept out of graphs:")
+                lines += [f"    {b.symbol}{_at(b.source)}: {b.reason}" for b in t.breaks]
+            if t.structural_breaks:
+                lines.append(f"  (and {t.structural_breaks} symbol(s) that unpack inputs or return)")
+        return "\n".join(lines)
+
+
+def _names(names: list[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return f"{shown}, ... ({len(names)} in all)" if len(names) > limit else shown or "none"
+
+
+def _region_lines(r: RegionReport) -> list[str]:
+    kinds = Counter(r.static_inputs.values())
+    static = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    lines = [
+        f"  {r.name} [{r.phase}, {r.device}]: {r.num_ops} ops, {len(r.graphs)} graph(s), {r.replays} replay(s)",
+        f"    static inputs: {static or 'none'}" + (f": {_names(list(r.static_inputs))}" if static else ""),
+        f"    copied inputs: {_names(r.copied_inputs)}",
+    ]
+    for i, g in enumerate(r.graphs, 1):
+        pool = ", own pool" if g.own_pool else ""
+        lines.append(
+            f"    graph {i}: inputs {g.input_shapes}, {g.replays} replay(s), captured in {g.capture_ms:.1f} ms,"
+            f" {_bytes(g.pool_bytes)}{pool}"
+        )
+    if r.eager_calls:
+        lines.append("    eager calls: " + ", ".join(f"{why} x{n}" for why, n in r.eager_calls.items()))
+    if r.copied_outputs:
+        lines.append(f"    returned as copies (kept by the caller across calls): {', '.join(r.copied_outputs)}")
+    if r.demoted_inputs:
+        lines.append(f"    demoted to copied inputs (their address changed): {', '.join(r.demoted_inputs)}")
+    if r.disabled_reason:
+        lines.append(f"    capture failed, runs eagerly: {r.disabled_reason}")
+    return lines
+
+
+def _at(source: str | None) -> str:
+    return f" at {source}" if source else ""
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _region_report(region: GraphedRegion) -> RegionReport:
+    info = region.info
+    static = {n: k.value for n, k in zip(info.input_names, region.kinds, strict=True) if k.is_static}
+    copied = [n for n, k in zip(info.input_names, region.kinds, strict=True) if not k.is_static]
+    graphs = [
+        GraphReport(
+            input_shapes={info.input_names[j]: tuple(shape) for j, shape, _, _ in i.copied_meta},
+            replays=i.replays,
+            capture_ms=i.capture_seconds * 1e3,
+            pool_bytes=i.pool_bytes,
+            own_pool=not i.pool.shared,
+        )
+        for i in region.instances
+    ]
+    return RegionReport(
+        name=info.name,
+        phase=info.phase,
+        device=info.device,
+        num_ops=info.num_ops,
+        static_inputs=static,
+        copied_inputs=copied,
+        outputs=list(info.output_names),
+        graphs=graphs,
+        eager_calls=dict(region.eager_calls),
+        copied_outputs=[n for n, c in zip(info.output_names, region.copy_output, strict=True) if c],
+        demoted_inputs=list(region.demoted),
+        disabled_reason=region.disabled_reason,
+    )
+
+
+def _function_graphs(fn: Any) -> Iterable[tuple[str, FunctionGraphs]]:
+    """The (label, graphs) of every Thunder-compiled function behind ``fn``."""
+    subgraph_infos = getattr(getattr(fn, "_backend", None), "subgraph_infos", None)
+    if subgraph_infos is not None:  # thunder.dynamo.thunderfx: one Thunder function per partition
+        for i, info in enumerate(subgraph_infos):
+            for j, compiled in enumerate(info.thunder_compiled_fns):
+                for label, graphs in _function_graphs(compiled):
+                    yield f"partition {i}.{j}: {label}", graphs
+        return
+    cd = thunder.compile_data(fn)
+    if cd is None:
+        raise TypeError(
+            f"explain() takes a function compiled by thunder.jit, thunder.compile or thunderfx, got {type(fn).__name__}"
+        )
+    for name, graphs in getattr(cd, "_cudagraphex", {}).items():
+        yield name, graphs
+
+
+def explain(fn: Any) -> Report:
+    """What cudagraphex did for a compiled function: regions, graphs, replays, memory, and every break with its reason.
+
+    Args:
+        fn: a function or module compiled by ``thunder.jit`` or ``thunder.compile``, or a ``thunderfx`` object.
+
+    Raises:
+        TypeError: if ``fn`` was not compiled by Thunder.
+    """
+    report = Report(function=getattr(fn, "__name__", type(fn).__name__))
+    for label, graphs in _function_graphs(fn):
+        for trace_label, breaks, regions in graphs.traces:
+            report.traces.append(
+                TraceReport(
+                    index=len(report.traces),
+                    label=f"{trace_label}, {label}",
+                    regions=[_region_report(r) for r in regions],
+                    breaks=[b for b in breaks if not b.structural],
+                    structural_breaks=sum(b.structural for b in breaks),
+                )
+            )
+    return report

@@ -1,0 +1,345 @@
+"""Legacy and ecosystem entry points (fusion_pass with num_static_inputs, the transform adapter, use_cudagraphs, the
+plugin, ThunderFX) and the diagnostics (explain, logs)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+
+import pytest
+import thunder
+import torch
+from thunder.core.trace import TraceTag
+
+import cudagraphex
+from benchmarks.models import GPT, GPTConfig, mlp
+from cudagraphex import CUDAGraphExecutor, CUDAGraphTransform, explain
+from cudagraphex.runtime import FunctionGraphs
+from cudagraphex.static_inputs import InputKind
+from tests.helpers import BACKENDS, assert_grads_close, emulated, jit, twin
+
+
+def transform_for(backend, **kwargs) -> CUDAGraphTransform:
+    return CUDAGraphTransform(backend=backend.executor._backend.name, **kwargs)
+
+
+def transform_graphs(jfn, transform: CUDAGraphTransform) -> FunctionGraphs:
+    return thunder.compile_data(jfn)._cudagraphex[transform.executor.name]
+
+
+def cuda_graph_symbols(trace) -> list[str]:
+    return [b.sym.name for b in trace.bound_symbols if b.sym.name.startswith("CUDAGraph")]
+
+
+# -- fusion_pass(trace, num_static_inputs) ------------------------------------------------------------------------------
+
+
+def test_fusion_pass_keeps_the_legacy_signature():
+    params = inspect.signature(CUDAGraphExecutor.fusion_pass).parameters
+    assert list(params) == ["self", "trace", "num_static_inputs"]
+    assert params["num_static_inputs"].default is None
+
+
+def backward_trace_of_plain_thunder():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    jm = thunder.jit(model)
+    jm(torch.randn(3, 4, requires_grad=True)).sum().backward()
+    trace = thunder.last_backward_traces(jm)[-1]
+    assert TraceTag.BACKWARD in trace.tags
+    return trace
+
+
+def test_num_static_inputs_maps_saved_tensors_by_identity():
+    trace = backward_trace_of_plain_thunder()
+    saved = [p.name for p in trace.args[0][0]]
+    ex = CUDAGraphExecutor("cudagraphex_legacy_map", backend="emulate")
+    graphs = FunctionGraphs(ex._backend, ex.options)
+    ex._function_graphs = lambda: graphs
+    ex.fusion_pass(trace, num_static_inputs=len(saved))
+    (region,) = graphs.regions()
+    kinds = dict(zip(region.info.input_names, region.kinds, strict=True))
+    # the cotangent comes first among the region's inputs: a prefix mask would have made it static
+    first = region.info.input_names[0]
+    assert first not in saved and kinds[first] is InputKind.COPIED
+    for name in saved:
+        if name in kinds:
+            assert kinds[name].is_static, name
+
+
+@pytest.mark.parametrize("bad", [-1, 2.0, True, 10_000])
+def test_bad_num_static_inputs_raise(bad):
+    trace = backward_trace_of_plain_thunder()
+    with pytest.raises(ValueError, match="num_static_inputs"):
+        CUDAGraphExecutor("cudagraphex_legacy_bad", backend="emulate").fusion_pass(trace, num_static_inputs=bad)
+
+
+def test_num_static_inputs_on_a_forward_trace_raises():
+    jf = thunder.jit(lambda x: x.sin() * 2)
+    jf(torch.randn(3))
+    with pytest.raises(ValueError, match="backward traces"):
+        emulated.fusion_pass(thunder.last_traces(jf)[-1], num_static_inputs=0)
+
+
+# -- the drop-in transform ----------------------------------------------------------------------------------------------
+
+
+def test_transform_demotes_a_moving_declared_input_with_one_info_log(caplog, backend):
+    transform = transform_for(backend)
+    model = mlp(3, 16).to(backend.device)
+    reference = twin(model)
+    jm = thunder.jit(model, transforms=[transform])
+    with caplog.at_level(logging.INFO, logger="cudagraphex"):
+        for _ in range(5):
+            x = torch.randn(4, 16, device=backend.device, requires_grad=True)
+            out, ref = jm(x), reference(x)
+            torch.testing.assert_close(out, ref)
+            out.square().mean().backward()
+            ref.square().mean().backward()
+            assert_grads_close(model, reference)
+            model.zero_grad()
+            reference.zero_grad()
+            del out
+    demotions = [r for r in caplog.records if "changed address" in r.getMessage()]
+    assert len(demotions) == 1 and "input" in demotions[0].getMessage()
+
+
+def test_transform_accepts_share_mem_pool_and_a_can_fuse_override():
+    class NoTanh(CUDAGraphTransform):
+        def can_fuse(self, bsym):
+            return "tanh" not in bsym.sym.name and super().can_fuse(bsym)
+
+    for share in (True, False):
+        transform = NoTanh(share_mem_pool=share, backend="emulate")
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2), torch.nn.ReLU())
+        jm = thunder.jit(model, transforms=[transform])
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(3, 4)
+                torch.testing.assert_close(jm(x), model(x))
+        graphs = transform_graphs(jm, transform)
+        breaks = [b for _, bs, _ in graphs.traces for b in bs]
+        assert any(b.reason == "excluded by NoTanh.can_fuse" for b in breaks)
+        assert graphs.options.share_pool is share
+
+
+def test_forward_without_backward_then_a_new_shape():
+    """Thunder's transform fails here with "called on augmented forward twice without backward in between"."""
+
+    def f(x):
+        return (x > 0).float() * 3 + x.detach().sin()
+
+    transform = CUDAGraphTransform(backend="emulate")
+    jf = thunder.jit(f, transforms=[transform])
+    for shape in ((4,), (4,), (6,), (6,), (4,)):
+        x = torch.randn(shape, requires_grad=True)
+        torch.testing.assert_close(jf(x), f(x))
+
+
+def test_thunder_nanogpt_inference_one_graph_reused(backend):
+    if backend.name == "cuda":
+        config, batch = GPTConfig(n_layer=4, n_head=6, n_embd=768, block_size=512, vocab_size=50304), (4, 64)
+    else:
+        config, batch = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64), (2, 16)
+    model = GPT(config).to(backend.device).requires_grad_(False).eval()
+    transform = transform_for(backend)
+    jm = thunder.jit(model, transforms=[transform], disable_torch_autograd=True)
+    for _ in range(3):
+        idx = torch.randint(0, config.vocab_size, batch, device=backend.device)
+        torch.testing.assert_close(jm(idx), model(idx))
+    (region,) = transform_graphs(jm, transform).regions()
+    assert len(region.instances) == 1
+    assert len(cuda_graph_symbols(thunder.last_traces(jm)[-1])) == 1
+
+
+def test_thunder_nanogpt_training_one_forward_one_backward_graph(backend):
+    if backend.name == "cuda":
+        config, batch = GPTConfig(n_layer=6, n_head=6, n_embd=768, block_size=512, vocab_size=50304), (4, 64)
+    else:
+        config, batch = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64), (2, 16)
+    model = GPT(config).to(backend.device)
+    reference = twin(model)
+    transform = transform_for(backend)
+    jm = thunder.jit(model, transforms=[transform])
+    for _ in range(3):
+        x = torch.randint(0, config.vocab_size, batch, device=backend.device)
+        targets = torch.randint(0, config.vocab_size, batch, device=backend.device)
+        loss, ref = jm(x, targets), reference(x, targets)
+        torch.testing.assert_close(loss, ref)
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        ref_grads = torch.autograd.grad(ref, list(reference.parameters()))
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-3)
+        del loss, grads
+    regions = transform_graphs(jm, transform).regions()
+    assert [r.info.phase for r in regions] == ["forward", "backward"]
+    assert all(len(r.instances) == 1 for r in regions)
+    assert len(cuda_graph_symbols(thunder.last_traces(jm)[-1])) == 1
+    assert len(cuda_graph_symbols(thunder.last_backward_traces(jm)[-1])) == 1
+
+
+def test_thunder_warmup_multinomial(backend):
+    def f(weights):
+        return torch.multinomial(weights, 2)
+
+    jf = thunder.jit(f, transforms=[transform_for(backend)])
+    weights = torch.tensor([0.0, 10.0, 3.0, 0.0], device=backend.device)
+    for _ in range(3):
+        assert set(jf(weights).tolist()) <= {1, 2}
+
+
+def test_thunder_function_without_inputs(backend):
+    device = backend.device
+
+    def f():
+        return torch.ones(5, 5, device=device) * 2 + 1
+
+    transform = transform_for(backend)
+    jf = thunder.jit(f, transforms=[transform])
+    for _ in range(3):
+        torch.testing.assert_close(jf(), f())
+    assert len(cuda_graph_symbols(thunder.last_traces(jf)[-1])) == 1
+    (region,) = transform_graphs(jf, transform).regions()
+    assert region.info.input_names == [] and region.instances[0].replays == 2
+
+
+# -- use_cudagraphs ---------------------------------------------------------------------------------------------------------
+
+
+def test_jit_with_use_cudagraphs():
+    def f(x):
+        return x.sin() * 2 + 1
+
+    on = cudagraphex.jit(f, use_cudagraphs=True)
+    off = cudagraphex.jit(f, use_cudagraphs=False)
+    assert cudagraphex.cudagraphex in thunder.compile_data(on).executors_list
+    assert cudagraphex.cudagraphex not in thunder.compile_data(off).executors_list
+    custom = cudagraphex.jit(f, use_cudagraphs=True, executors=[emulated])
+    assert list(thunder.compile_data(custom).executors_list)[1:3] == [cudagraphex.cudagraphex, emulated]
+    x = torch.randn(3)
+    for jf in (on, off, custom):
+        torch.testing.assert_close(jf(x), f(x))
+    with pytest.raises(ValueError, match="use_cudagraphs"):
+        cudagraphex.jit(f, use_cudagraphs="yes")
+
+
+def test_use_cudagraphs_shim():
+    def f(x):
+        return x.cos() - 1
+
+    original = thunder.jit
+    with pytest.raises(RuntimeError, match="use_cudagraphs"):
+        thunder.jit(f, use_cudagraphs=True)
+    shim = cudagraphex.install_use_cudagraphs_shim()
+    try:
+        for flag in (True, False):
+            with pytest.warns(DeprecationWarning, match="cudagraphex"):
+                jf = thunder.jit(f, use_cudagraphs=flag)
+            assert (cudagraphex.cudagraphex in thunder.compile_data(jf).executors_list) is flag
+            torch.testing.assert_close(jf(torch.ones(2)), f(torch.ones(2)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            thunder.jit(f)  # no keyword, no warning
+    finally:
+        shim.uninstall()
+    assert thunder.jit is original
+    with cudagraphex.install_use_cudagraphs_shim():
+        assert thunder.jit is not original
+    assert thunder.jit is original
+
+
+# -- the plugin and ThunderFX -----------------------------------------------------------------------------------------------
+
+
+def test_plugin_is_registered_and_adds_the_executor(backend):
+    from thunder.core.recipe import Recipe
+
+    from cudagraphex.legacy import CUDAGraphsPlugin
+
+    assert thunder.plugins.get_plugin("cudagraphex") is CUDAGraphsPlugin
+    model = mlp(3, 16).to(backend.device)
+    by_name = thunder.compile(model, recipe=Recipe(plugins=None), plugins="cudagraphex")
+    assert cudagraphex.cudagraphex in thunder.compile_data(by_name).executors_list
+    jm = thunder.compile(model, recipe=Recipe(plugins=None), plugins=CUDAGraphsPlugin(backend.executor))
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 16, device=backend.device)
+            torch.testing.assert_close(jm(x), model(x))
+            torch.testing.assert_close(by_name(x), model(x))
+    assert explain(jm).num_graphs == 1
+
+
+@pytest.mark.cuda
+def test_plugin_with_thunders_base_recipe_and_torch_compile_fuser():
+    """Thunder's default recipe wants nvFuser; with the torch.compile fuser cudagraphex wraps its fusions."""
+    from thunder.recipes import BaseRecipe
+
+    model = mlp(3, 64).cuda()
+    jm = thunder.compile(model, recipe=BaseRecipe(fuser="torch.compile"), plugins="cudagraphex")
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(8, 64, device="cuda")
+            torch.testing.assert_close(jm(x), model(x))
+    assert explain(jm).num_graphs == 1
+
+
+def test_thunderfx_gives_each_partition_its_own_graphs(backend):
+    from thunder.dynamo import thunderfx
+
+    torch._dynamo.reset()
+
+    def f(x):
+        y = (x.sin() * 2 + 1).cos()
+        torch._dynamo.graph_break()
+        return (y.exp() - 1).tanh() * 3
+
+    compiled = thunderfx(f, executors=[backend.executor, *thunder.get_default_executors()])
+    for _ in range(3):
+        x = torch.randn(8, device=backend.device)
+        torch.testing.assert_close(compiled(x), f(x))
+    report = explain(compiled)
+    assert len(report.traces) == 2 and all("partition" in t.label for t in report.traces)
+    assert report.num_graphs == 2 and all(r.replays >= 1 for r in report.regions)
+
+
+# -- explain -----------------------------------------------------------------------------------------------------------
+
+
+def test_explain_reads_as_text_and_as_data(backend):
+    def f(x):
+        y = x.sin() * 2 + 1
+        s = y.sum().item()
+        return (y.cos() * 3 + 1) * s
+
+    jf = jit(f, backend.executor)
+    for _ in range(3):
+        jf(torch.randn(8, device=backend.device))
+    report = explain(jf)
+    data = report.to_dict()
+    (trace,) = data["traces"]
+    assert len(trace["regions"]) == 2
+    region = trace["regions"][0]
+    assert region["copied_inputs"] == ["x"] and region["static_inputs"] == {}
+    (graph,) = region["graphs"]
+    assert graph["input_shapes"] == {"x": (8,)} and graph["replays"] == 2 and graph["capture_ms"] > 0
+    assert any(b["reason"] == "reads a device value on the host" and __file__ in b["source"] for b in trace["breaks"])
+    text = str(report)
+    for needle in ("CUDAGraph", "copied inputs: x", "2 replay(s)", "reads a device value on the host", __file__):
+        assert needle in text
+    if backend.name == "cuda":
+        assert report.pool_bytes >= 0
+
+
+def test_explain_rejects_what_thunder_did_not_compile():
+    with pytest.raises(TypeError, match="explain"):
+        explain(lambda x: x)
+
+
+@pytest.mark.cuda
+def test_explain_reports_pool_memory_on_the_gpu():
+    model = mlp(4, 256).cuda()
+    jm = jit(model, BACKENDS["cuda"].executor)
+    with torch.no_grad():
+        for _ in range(3):
+            jm(torch.randn(64, 256, device="cuda"))
+    assert explain(jm).pool_bytes > 0
