@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,7 +89,7 @@ class CudaBackend:
                         graph.capture_end()
             except BaseException as e:
                 if PROTECTIONS["restore_rng_after_capture"]:
-                    torch.cuda.set_rng_state(rng_state, device)
+                    _reset_generator(stream, rng_state, device)
                 raise CaptureFailed(f"{type(e).__name__}: {e}") from e
             finally:
                 _capturing.active = False
@@ -108,6 +109,21 @@ def unexpand(t: torch.Tensor, dims: Sequence[int]) -> torch.Tensor:
     for d in dims:
         t = t.narrow(d, 0, 1)
     return t
+
+
+def _reset_generator(stream: torch.cuda.Stream, rng_state: torch.Tensor, device: torch.device) -> None:
+    """Brings the device's default generator back to where it was before a failed capture.
+
+    A capture that fails never runs ``capture_epilogue``, which leaves the generator believing it is still capturing:
+    every later random op then fails ("Offset increment outside graph capture"). An empty capture runs the prologue
+    and the epilogue, which clears that state; the seed and offset are then restored.
+    """
+    empty = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
+        empty.capture_begin(capture_error_mode="thread_local")
+        empty.capture_end()
+    torch.cuda.set_rng_state(rng_state, device)
 
 
 class EmulatedGraph:

@@ -39,6 +39,7 @@ from cudagraphex.regions import RegionSpec, plan_regions, written_inputs
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion, GraphOptions, RegionInfo
 from cudagraphex.safety import unsafe_reason
 from cudagraphex.static_inputs import classify_inputs
+from cudagraphex.trusted_parameters import TRUSTED_ATTRIBUTE
 
 __all__ = ["CUDAGraphExecutor", "cudagraphex"]
 
@@ -286,6 +287,7 @@ class CUDAGraphExecutor(FusionExecutor):
         graphs = states.get(self.name)
         if graphs is None:
             graphs = states[self.name] = FunctionGraphs(self._backend, self.options)
+            graphs.parameters_trusted = getattr(cd, TRUSTED_ATTRIBUTE, False)
         return graphs
 
 

@@ -65,6 +65,7 @@ __all__ = [
     "FunctionGraphs",
     "GraphOptions",
     "GraphedRegion",
+    "ParameterMovedError",
     "RegionInfo",
     "StrictModeError",
 ]
@@ -77,6 +78,10 @@ _ptrs_equal = torch._C._tensors_data_ptrs_at_indices_equal
 
 class StrictModeError(RuntimeError):
     """Raised in strict mode where cudagraphex would otherwise run a region eagerly."""
+
+
+class ParameterMovedError(RuntimeError):
+    """A parameter moved in a function compiled with :class:`~cudagraphex.PruneParameterChecks`."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,8 @@ class FunctionGraphs:
         self.forward_graph_outputs: frozenset[str] = frozenset()
         #: Every fusion built for this function, by its unique name (owned by the executor module).
         self.fusions: dict[str, Any] = {}
+        #: Set when the function was compiled with PruneParameterChecks: a moved parameter is then an error.
+        self.parameters_trusted = False
 
     def next_fusion_id(self) -> int:
         """A number unique within this compiled function, so fusion names never collide across its traces."""
@@ -467,6 +474,12 @@ class GraphedRegion:
         unresolved = []
         for i in moved:
             kind = self.kinds[i]
+            if kind is InputKind.PARAMETER and self.graphs.parameters_trusted:
+                raise ParameterMovedError(
+                    f"cudagraphex: {self.info.input_names[i]} is a parameter or buffer of a function compiled with"
+                    " PruneParameterChecks, which promised that parameters are not replaced, but it moved to a new"
+                    " address; compile the function again after replacing parameters"
+                )
             if kind is InputKind.DECLARED:
                 self._demote(i)
             elif kind in (InputKind.GRAPH_OUTPUT, InputKind.MUTATED):

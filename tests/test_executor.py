@@ -271,3 +271,36 @@ def test_sdpa_grad_rule_is_still_used():
     backward = str(thunder.last_backward_traces(jm)[-1])
     assert "sdpaex_grad_forward_scaled_dot_product" in forward
     assert "sdpaex_scaled_dot_product" in backward
+
+
+def test_replaced_parameter_is_never_read_at_its_old_address(backend):
+    model = mlp(2, 16).to(backend.device)
+    jm = jit(model, backend.executor)
+    x = torch.randn(4, 16, device=backend.device)
+    with torch.no_grad():
+        for _ in range(3):
+            jm(x)
+        new_weights = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+        jm.load_state_dict(new_weights, assign=True)  # new tensors at new addresses
+        model.load_state_dict(new_weights)
+        for _ in range(3):
+            torch.testing.assert_close(jm(x), model(x))
+    assert num_graphs(jm, backend.executor) == 2
+
+
+def test_pruned_parameter_checks_turn_a_broken_promise_into_an_error(backend):
+    from cudagraphex import ParameterMovedError, PruneParameterChecks
+
+    model = mlp(2, 16).to(backend.device)
+    jm = thunder.jit(
+        model, executors=[backend.executor, *thunder.get_default_executors()], transforms=[PruneParameterChecks()]
+    )
+    x = torch.randn(4, 16, device=backend.device)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(jm(x), model(x))
+        prologue = str(thunder.last_prologue_traces(jm)[-1])
+        assert "check_tensor_shape_and_metadata(t_0_weight" not in prologue
+        jm.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()}, assign=True)
+        with pytest.raises(ParameterMovedError, match="t_0_weight"):
+            jm(x)
