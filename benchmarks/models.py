@@ -110,3 +110,99 @@ def conv_bn(channels: int = 8) -> nn.Sequential:
         nn.Flatten(),
         nn.Linear(channels, 10),
     )
+
+
+class LlamaDecodeStep(nn.Module):
+    """One-token decode steps of a Hugging Face ``LlamaForCausalLM`` against a static KV cache kept as state.
+
+    ``forward(input_ids, cache_position)`` takes ``input_ids`` of shape (batch, 1) and ``cache_position``, a 1-element
+    int64 tensor P; it writes the token's keys and values at position P of the cache, attends to positions 0..P and
+    returns the logits, shape (batch, 1, vocab). Calling it again with the same arguments repeats exactly the same
+    work and returns the same logits, which is what a benchmark of decode steps needs.
+
+    Two deliberate departures from ``LlamaForCausalLM.forward``, both needed for ``thunder.jit``:
+
+    * The step calls the model's own submodules (embedding, rotary embedding, decoder layers, norm, head) instead of
+      ``LlamaModel.forward``: that method's ``capture_outputs`` decorator stores an output collector in a module-level
+      variable, which Thunder's interpreter refuses to write ("trying to set .global_var ...").
+    * The 4-D boolean attention mask is built here from ``cache_position``, so Hugging Face's mask construction,
+      which differs between transformers releases, is never traced.
+
+    The cache is transformers' own ``StaticCache`` (one ``StaticLayer`` per decoder layer, tensors allocated up front
+    with ``early_initialization``). Its layers write at a running counter (``cumulative_length``) that they advance on
+    every update; the step first sets that counter to ``cache_position`` so that decoding at position P is idempotent.
+    Thunder traces this cache as it is: the in-place writes to the counter and to the key/value tensors become
+    ``copy_``s to those tensors in the trace.
+    """
+
+    def __init__(self, model: nn.Module, cache, max_cache_len: int, cache_kwarg: str):
+        super().__init__()
+        self.model = model
+        self.cache = cache
+        self.cache_kwarg = cache_kwarg
+        self.register_buffer("kv_positions", torch.arange(max_cache_len), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        for layer in self.cache.layers:
+            layer.cumulative_length.copy_(cache_position[0])
+        attention_mask = (self.kv_positions <= cache_position[-1]).view(1, 1, 1, -1)
+        position_ids = cache_position.unsqueeze(0)
+        decoder = self.model.model
+        hidden = decoder.embed_tokens(input_ids)
+        position_embeddings = decoder.rotary_emb(hidden, position_ids)
+        cache_arg = {self.cache_kwarg: self.cache}
+        for layer in decoder.layers:
+            hidden = layer(
+                hidden,
+                attention_mask=attention_mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                use_cache=True,
+                **cache_arg,
+            )
+        return self.model.lm_head(decoder.norm(hidden))
+
+
+def llama_decode(
+    *,
+    num_layers: int = 4,
+    hidden_size: int = 512,
+    num_heads: int = 8,
+    intermediate_size: int = 1408,
+    vocab_size: int = 32000,
+    max_cache_len: int = 256,
+    batch_size: int = 1,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LlamaDecodeStep:
+    """A :class:`LlamaDecodeStep` around a randomly initialised ``LlamaForCausalLM`` (nothing is downloaded).
+
+    The whole cache is filled with random keys and values, standing in for a prompt: the mask decides which positions
+    a step reads. Raises ImportError if ``transformers`` is not installed.
+    """
+    import inspect
+
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        vocab_size=vocab_size,
+        max_position_embeddings=max(2048, max_cache_len),
+    )
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval().to(device=device, dtype=dtype)
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    head_dim = hidden_size // num_heads
+    cache.early_initialization(batch_size, num_heads, head_dim, dtype, torch.device(device))
+    for layer in cache.layers:
+        layer.keys.normal_()
+        layer.values.normal_()
+    # transformers renamed the decoder layers' ``past_key_values`` argument to ``cache`` (5.2x); pass whichever exists.
+    parameters = inspect.signature(LlamaDecoderLayer.forward).parameters
+    cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+    return LlamaDecodeStep(model, cache, max_cache_len, cache_kwarg)

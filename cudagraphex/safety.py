@@ -64,9 +64,14 @@ NEVER_CAPTURED: dict = {
 TRANSPARENT = frozenset({prims.PrimIDs.DEL, prims.PrimIDs.COMMENT})
 
 
+#: ``prims.copy_(src, dst)`` and its torch-executor lowering: Thunder's form of every in-place op. (The torch-level
+#: ``Tensor.copy_(dst, src)`` takes its arguments the other way round; it is seen through its subsymbols.)
+_COPY_IDS = frozenset(_with_torch_lowerings([prims.PrimIDs.COPY_], ""))
+
+
 def is_inplace_write(bsym: BoundSymbol) -> bool:
-    """True for ``copy_`` (Thunder's functional form of every in-place op) in any of its lowerings."""
-    return bsym.sym.id == prims.PrimIDs.COPY_ or bsym.sym.name == "copy_"
+    """True for ``prims.copy_(src, dst)``, which writes ``bsym.args[1]``, in any of its lowerings."""
+    return bsym.sym.id in _COPY_IDS
 
 
 def _tensor_problem(p: Proxy, device_type: str, role: str) -> str | None:

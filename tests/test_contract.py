@@ -18,6 +18,7 @@ from thunder.extend import OperatorExecutor, register_executor
 from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
 from cudagraphex import CUDAGraphExecutor, StrictModeError
 from cudagraphex.capture import is_capturing
+from cudagraphex.static_inputs import InputKind
 from tests.helpers import (
     assert_grads_close,
     emulated,
@@ -241,6 +242,25 @@ def test_inplace_protection_bites():
         assert not cache_passed_as_argument_stays_correct(emulated)
     with protection_off("undo_capture_side_effects"):
         assert not counter_is_applied_once(emulated)
+
+
+def test_tensor_copy_writes_its_destination_not_its_source(backend):
+    """``Tensor.copy_(dst, src)`` takes its arguments the other way round from Thunder's ``prims.copy_(src, dst)``."""
+
+    def f(dst, src):
+        dst.copy_(src[0] * 2)
+        return src.sum() + 1
+
+    jf = jit(f, backend.executor)
+    dst = torch.zeros(3, device=backend.device)
+    for _ in range(4):
+        src = torch.randn(2, 3, device=backend.device)  # new every call: must be copied, never static
+        jf(dst, src)
+        torch.testing.assert_close(dst, src[0] * 2)
+    (region,) = regions(jf, backend.executor)
+    kinds = dict(zip(region.info.input_names, region.kinds, strict=True))
+    assert kinds == {"src": InputKind.COPIED, "dst": InputKind.MUTATED}
+    assert region.eager_calls == {"warm-up": 1}
 
 
 def test_written_input_that_moves_is_demoted_and_copied_back(backend):

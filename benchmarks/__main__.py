@@ -1,0 +1,271 @@
+"""The main job: ``python -m benchmarks [--workloads ...] [--modes ...] [--variants ...] [--micro] [--quick] ...``.
+
+On a GPU it runs the benchmarks, prints a table, and writes ``<out>/<date>-<gpu>.json``, ``.md`` and ``.png``. Without
+one it says so and prints cudagraphex's capture plan for each workload instead (exit status 0 in both cases).
+Unknown names in ``--workloads``, ``--modes`` or ``--variants`` are a usage error (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def _names(kind: str, choices: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError(f"no {kind} given")
+        unknown = [n for n in names if n not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {kind} {', '.join(repr(n) for n in unknown)} (choose from: {', '.join(choices)})"
+            )
+        return names
+
+    return parse
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses the command line; exits with status 2 and a message naming the bad value on an unknown name."""
+    from benchmarks.variants import VARIANTS
+    from benchmarks.workloads import MODES, WORKLOADS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Benchmarks of cudagraphex against eager, Thunder, CUDAGraphTransform, torch.compile and "
+        "hand-captured CUDA graphs. Without a GPU, prints the capture plan instead.",
+    )
+    parser.add_argument("--workloads", type=_names("workload", list(WORKLOADS)), help="comma-separated; default all")
+    parser.add_argument("--modes", type=_names("mode", MODES), help="comma-separated; default all")
+    parser.add_argument("--variants", type=_names("variant", VARIANTS), help="comma-separated; default all")
+    parser.add_argument(
+        "--micro",
+        action="store_true",
+        help="run the host-overhead microbenchmark (alone, unless --workloads is given too); a run without "
+        "--workloads/--modes/--variants includes it",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results directory (default {DEFAULT_OUT})")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement (default 5, quick 3)")
+    parser.add_argument("--quick", action="store_true", help="fewer and shorter repetitions")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the records of an existing results file of the same date and GPU that this run does not redo "
+        "(to complete a run whose budget ran out)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=450.0,
+        help="wall-time budget in seconds for all measurements; tasks that would not fit are recorded as skipped "
+        "(0: no budget; default 450)",
+    )
+    args = parser.parse_args(argv)
+    if args.reps is not None and args.reps < 1:
+        parser.error(f"--reps must be at least 1, got {args.reps}")
+    selected = args.workloads is not None or args.modes is not None or args.variants is not None
+    args.run_micro = args.micro or not selected
+    args.run_workloads = not args.micro or args.workloads is not None
+    args.workloads = args.workloads or list(WORKLOADS)
+    args.modes = args.modes or list(MODES)
+    args.variants = args.variants or list(VARIANTS)
+    return args
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    import thunder
+    import torch
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    versions["thunder"] = getattr(thunder, "__version__", "unknown")
+    for package in ("cudagraphex", "transformers"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "not installed"
+    return versions
+
+
+class _Progress:
+    """A tqdm bar on stderr if tqdm is importable, else a plain counter; ``write`` prints above the bar."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar = None
+        else:
+            self.bar = tqdm(total=total, unit="result", dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, label: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(label[:60], refresh=False)
+            self.bar.update(1)
+        else:
+            print(f"[{self.done}/{self.total}] {label}", file=sys.stderr, flush=True)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
+    """Runs the benchmarks, prints the table, writes the results. ``device`` is for testing this on the CPU."""
+    import torch
+
+    from benchmarks.report import host_breakdown_text, markdown_table, write_results
+    from benchmarks.suite import Options, Suite
+    from benchmarks.variants import VARIANTS
+
+    options = Options(reps=args.reps or (3 if args.quick else 5), quick=args.quick, budget_s=args.budget_s)
+    suite = Suite(
+        args.workloads if args.run_workloads else [],
+        args.modes,
+        args.variants,
+        options,
+        micro=args.run_micro,
+        device=device,
+    )
+    gpu = torch.cuda.get_device_name(suite.device) if suite.device.type == "cuda" else platform.processor() or "cpu"
+    print(
+        f"{gpu}: {len(suite.workloads)} workload(s), {len(suite.variants)} variant(s), modes {', '.join(args.modes)}"
+        f"{', and the microbenchmark' if args.run_micro else ''}; budget {args.budget_s:g} s",
+        flush=True,
+    )
+    progress = _Progress(suite.num_measurements())
+    suite.progress, suite.log = progress.update, progress.write
+    start = time.monotonic()
+    try:
+        records = suite.run()
+    finally:
+        progress.close()
+    elapsed = time.monotonic() - start
+    meta: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "device": str(suite.device),
+        "cuda": torch.version.cuda,
+        "versions": _versions(),
+        "options": {
+            "workloads": [w.name for w in suite.workloads],
+            "modes": list(args.modes),
+            "variants": list(suite.variants),
+            "micro": args.run_micro,
+            "reps": options.reps,
+            "quick": options.quick,
+            "budget_s": options.budget_s,
+            "warmup_calls": options.warmup_calls,
+            "rep_target_s": options.rep_target_s,
+        },
+        "seconds_per_workload": {k: round(v, 1) for k, v in suite.seconds_per_workload.items()},
+        "elapsed_s": round(elapsed, 1),
+        "host_breakdown": suite.host_breakdown,
+        "cuda_context_failed": suite.broken,
+        "definitions": {
+            "median_us": "median over repetitions of the wall time per call, CUDA-synchronized blocks of calls",
+            "setup_s": "wall time of making the case and its first 3 calls (compilation, warm-up, capture); the "
+            "compiled object is reused across modes, in the order inference, train_fwd, train_bwd, train_step",
+            "peak_mem_bytes": "torch.cuda.max_memory_allocated over the timed phase after a reset of peak stats",
+            "correct": "outputs (and gradients in training modes) within tolerance of eager: relative error "
+            "(Frobenius) <= 1e-3 in fp32, 5e-2 in bf16",
+            "kernel-floor": "GPU time (kernels, memcpy, memset) of the eager call from torch.profiler, per call",
+        },
+    }
+    rows = [r.to_dict() for r in records]
+    if args.merge:
+        rows, meta = _merged(rows, meta, args.out)
+    paths = write_results(rows, meta, args.out, VARIANTS)
+    print()
+    print(markdown_table(rows, VARIANTS))
+    if suite.host_breakdown:
+        print("\nHost cost of a replay (micro-100ops):")
+        print(host_breakdown_text(suite.host_breakdown))
+    print("\nTime per workload: " + ", ".join(f"{k} {v:.0f} s" for k, v in suite.seconds_per_workload.items()))
+    skipped: dict[str, list[str]] = {}
+    for r in records:
+        if (r.error or "").startswith("skipped") and r.variant not in skipped.setdefault(r.workload, []):
+            skipped[r.workload].append(r.variant)
+    skipped = {w: v for w, v in skipped.items() if v}
+    if skipped:
+        print("Skipped for time; to measure them and merge them into these results:")
+        for workload, variants in skipped.items():
+            if workload == "micro-100ops":
+                print("  python -m benchmarks --merge --micro")
+            else:
+                print(f"  python -m benchmarks --merge --workloads {workload} --variants '{','.join(variants)}'")
+    written = ", ".join(p.name for p in paths.values())
+    print(f"Total {elapsed:.0f} s. Results in {args.out}: {written}")
+    return 0
+
+
+def _merged(
+    rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``rows`` plus the records of the existing results file of the same name that ``rows`` does not redo."""
+    import json
+
+    from benchmarks.report import results_basename
+
+    path = (out_dir / results_basename(meta["date"], meta["gpu"])).with_suffix(".json")
+    if not path.exists():
+        return rows, meta
+    old = json.loads(path.read_text())
+
+    def key(r: dict[str, Any]) -> tuple[str, str, str]:
+        return r["workload"], r["mode"], r["variant"]
+
+    redone = {key(r) for r in rows if not (r.get("error") or "").startswith("skipped")}
+    kept = [r for r in old.get("records", []) if key(r) not in redone]
+    kept_keys = {key(r) for r in kept}
+    # A record skipped in this run does not replace an older one.
+    fresh = [r for r in rows if key(r) in redone or key(r) not in kept_keys]
+    merged_meta = dict(meta)
+    merged_meta["merged_with"] = {k: old.get("meta", {}).get(k) for k in ("elapsed_s", "options")}
+    if not merged_meta.get("host_breakdown"):
+        merged_meta["host_breakdown"] = old.get("meta", {}).get("host_breakdown")
+    return kept + fresh, merged_meta
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the main job; returns the exit status."""
+    args = parse_args(argv)
+    # Thunder warns on import about an optional executor this suite does not use.
+    warnings.filterwarnings("ignore", message="transformer_engine module not found")
+    import torch
+
+    if not torch.cuda.is_available():
+        from benchmarks.plan import NO_GPU_MESSAGE, show_plan
+
+        print(NO_GPU_MESSAGE, flush=True)
+        if args.run_micro and not args.run_workloads:
+            print("The microbenchmark times graph replays, so it needs a GPU too; nothing to show.")
+            return 0
+        if args.run_micro:
+            print("(The microbenchmark needs a GPU; it is skipped.)")
+        show_plan(args.workloads, args.modes, out=lambda line: print(line, flush=True))
+        return 0
+    return _run_gpu(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

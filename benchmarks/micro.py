@@ -1,0 +1,160 @@
+"""Microbenchmark: the host cost cudagraphex adds to a replay.
+
+One region of 100 small pointwise ops (50 x ``y = y * 1.0001``, ``y = y + 0.0001`` on 1024 floats), whose inputs are
+k tensors (summed first, so all k are inputs of the region and copied into the graph on every call), replayed three
+ways on the same captured graph:
+
+(a) ``thunder call``: the compiled Thunder function (prologue checks, the region, epilogue);
+(b) ``region call``: the ``GraphedRegion`` called directly with the region's inputs (guards, the batched input copy,
+    the liveness check, the replay, wrapping the outputs);
+(c) ``graph.replay``: ``torch.cuda.CUDAGraph.replay()`` alone.
+
+Derived, in microseconds: cudagraphex overhead per region = (b) - (c) at k=1; per copied input = the least-squares
+slope of (b) - (c) over k; Thunder prologue/epilogue + glue = (a) - (b) at k=1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from benchmarks.report import Record
+
+__all__ = ["K_VALUES", "MICRO_WORKLOAD", "hundred_ops", "run_micro"]
+
+MICRO_WORKLOAD = "micro-100ops"
+K_VALUES = (1, 8, 32)
+_NUMEL = 1024
+#: (a), (b), (c) of the module docstring.
+_WAYS = ("thunder call", "region call", "graph.replay")
+
+
+def hundred_ops(*xs: torch.Tensor) -> torch.Tensor:
+    """The sum of ``xs`` put through 100 alternating pointwise ops."""
+    y = xs[0]
+    for x in xs[1:]:
+        y = y + x
+    for _ in range(50):
+        y = y * 1.0001
+        y = y + 0.0001
+    return y
+
+
+def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var
+
+
+def _region_inputs(jfn, region, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors the region is called with, found by name among the computation trace's arguments (which are the
+    function's inputs, in order)."""
+    import thunder
+
+    names = [getattr(a, "name", None) for a in thunder.last_traces(jfn)[-1].args]
+    if len(names) != len(xs):
+        raise RuntimeError(f"expected {len(xs)} computation arguments, got {names}")
+    by_name = dict(zip(names, xs, strict=True))
+    missing = [n for n in region.info.input_names if n not in by_name]
+    if missing:
+        raise RuntimeError(f"region inputs {missing} are not arguments of the computation trace")
+    return [by_name[n] for n in region.info.input_names]
+
+
+def run_micro(
+    executor,
+    device: torch.device,
+    options,
+    sync: Callable[[], None],
+    progress: Callable[[str], None] = lambda label: None,
+) -> tuple[list[Record], dict]:
+    """Measures (a), (b) and (c) for every k in ``K_VALUES``; returns the records and the derived host breakdown.
+
+    ``executor`` is the cudagraphex executor (an emulating one on the CPU, where (c) replays the emulation). Errors
+    are recorded per measurement; the breakdown holds None where its inputs are missing.
+    """
+    from benchmarks.suite import short_error, time_per_call_us
+
+    records: list[Record] = []
+    medians: dict[str, dict[int, float]] = {name: {} for name in _WAYS}
+    for k in K_VALUES:
+        group = [Record(MICRO_WORKLOAD, "inference", f"{name} k={k}") for name in _WAYS]
+        try:
+            calls = _prepare_k(k, executor, device, sync, group)
+            for record, name in zip(group, _WAYS, strict=True):
+                try:
+                    with torch.no_grad():  # the grad mode the function was compiled and captured in
+                        record.median_us = time_per_call_us(calls[name], sync, options)
+                    medians[name][k] = record.median_us
+                except Exception as e:  # noqa: BLE001 - recorded; the other measurements go on
+                    record.error = short_error(e)
+        except Exception as e:  # noqa: BLE001 - recorded for the whole group
+            for record in group:
+                record.error = record.error or short_error(e)
+        records += group
+        for record in group:
+            progress(f"{MICRO_WORKLOAD} {record.variant}")
+    return records, _breakdown(medians)
+
+
+def _prepare_k(k: int, executor, device: torch.device, sync: Callable[[], None], group: list[Record]) -> dict:
+    """Compiles and captures the function of ``k`` inputs, checks (a) and (b) against eager (into ``group``), and
+    returns the three ways to replay it."""
+    import thunder
+
+    xs = [torch.full((_NUMEL,), 1.0 + i / k, device=device) for i in range(k)]
+    jfn = thunder.jit(hundred_ops, executors=[executor, *thunder.get_default_executors()])
+    with torch.no_grad():
+        sync()
+        start = time.perf_counter()
+        for _ in range(3):  # warm-up, capture + replay, replay
+            jfn(*xs)
+        sync()
+        group[0].setup_s = time.perf_counter() - start
+        regions = thunder.compile_data(jfn)._cudagraphex[executor.name].regions()
+        if len(regions) != 1 or not regions[0].instances:
+            raise RuntimeError(f"expected one captured region, got {len(regions)} region(s)")
+        region = regions[0]
+        args = _region_inputs(jfn, region, xs)
+        graph = region.instances[0].graph
+        expected = hundred_ops(*xs)
+        # Outputs are never held across calls: a held output makes the region return copies from then on.
+        group[0].correct = bool(torch.allclose(jfn(*xs), expected, rtol=1e-4, atol=1e-4))
+        group[1].correct = bool(torch.allclose(region(*args)[0], expected, rtol=1e-4, atol=1e-4))
+    group[0].note = f"region of {region.info.num_ops} ops, {len(region.info.input_names)} input(s)"
+
+    def thunder_call() -> None:
+        jfn(*xs)
+
+    def region_call() -> None:
+        region(*args)
+
+    # One Python frame per call in each of the three, so that their differences are cudagraphex's and Thunder's.
+    if device.type == "cuda":
+
+        def replay() -> None:
+            graph.replay()
+
+    else:  # the emulated graph of the CPU replay backend takes the region's inputs
+
+        def replay() -> None:
+            graph.replay(args)
+
+    return {"thunder call": thunder_call, "region call": region_call, "graph.replay": replay}
+
+
+def _breakdown(medians: dict[str, dict[int, float]]) -> dict:
+    a, b, c = medians["thunder call"], medians["region call"], medians["graph.replay"]
+    both = [k for k in K_VALUES if k in b and k in c]
+    result = {
+        "k": list(K_VALUES),
+        "thunder_call_us": [a.get(k) for k in K_VALUES],
+        "region_call_us": [b.get(k) for k in K_VALUES],
+        "graph_replay_us": [c.get(k) for k in K_VALUES],
+        "cudagraphex_overhead_per_region_us": b[1] - c[1] if 1 in both else None,
+        "per_copied_input_us": _slope(both, [b[k] - c[k] for k in both]) if len(both) >= 2 else None,
+        "thunder_glue_us": a[1] - b[1] if 1 in a and 1 in b else None,
+    }
+    return result

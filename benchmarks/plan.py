@@ -1,0 +1,95 @@
+"""The CPU fallback of the main job: without a GPU nothing can be timed, so it shows what cudagraphex would capture.
+
+Each workload is compiled with an executor that uses the CPU replay backend (cudagraphex's testing mode, which treats
+CPU tensors as the GPU path treats CUDA tensors), in the first position of the executors list, and run for two small
+calls per phase (the first is the eager warm-up, the second captures and replays); then ``explain()`` is printed.
+Workloads are reduced in size, since Thunder's tracing takes seconds per layer on a CPU; the output says how.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["NO_GPU_MESSAGE", "show_plan"]
+
+NO_GPU_MESSAGE = "No CUDA GPU: replaying CUDA graphs needs one; showing the capture plan instead."
+PLAN_EXECUTOR_NAME = "cudagraphex_plan"
+
+
+def _plan_executor():
+    from thunder.extend import get_executor, register_executor
+
+    from cudagraphex import CUDAGraphExecutor
+
+    existing = get_executor(PLAN_EXECUTOR_NAME)
+    if existing is not None:
+        return existing
+    executor = CUDAGraphExecutor(PLAN_EXECUTOR_NAME, backend="emulate")
+    register_executor(executor)
+    return executor
+
+
+def show_plan(workloads: Sequence[str], modes: Sequence[str], out: Callable[[str], None] = print) -> None:
+    """Prints, for each workload, the cudagraphex capture plan of its (reduced) model on the CPU.
+
+    Inference is shown if ``inference`` is among ``modes``, a training step if any training mode is. A workload that
+    needs ``transformers`` is skipped when it is not installed; a workload that fails prints its error. Never raises
+    for a workload's failure.
+    """
+    executor = _plan_executor()
+    device = torch.device("cpu")
+    thresholds = gc.get_threshold()
+    # Thunder's tracing allocates millions of short-lived objects; collecting rarely makes it noticeably faster.
+    gc.set_threshold(max(thresholds[0], 100_000), *thresholds[1:])
+    try:
+        _show(workloads, modes, out, executor, device)
+    finally:
+        gc.set_threshold(*thresholds)
+
+
+def _show(
+    workloads: Sequence[str], modes: Sequence[str], out: Callable[[str], None], executor, device: torch.device
+) -> None:
+    import thunder
+
+    from benchmarks.workloads import TRAINING_MODES, WORKLOADS, transformers_available
+    from cudagraphex import explain
+
+    for name in workloads:
+        workload = WORKLOADS[name]
+        out(f"\n=== {name}: {workload.description}")
+        if workload.needs_transformers and not transformers_available():
+            out("skipped: transformers is not installed")
+            continue
+        start = time.monotonic()
+        try:
+            setup = workload.build(device, True)
+            if setup.reduced:
+                out(f"(sizes reduced for the CPU: {setup.reduced})")
+            model = setup.model
+            jitted = thunder.jit(model, executors=[executor, *thunder.get_default_executors()])
+            phases = []
+            if "inference" in modes and "inference" in workload.modes:
+                with torch.no_grad():
+                    for _ in range(2):
+                        jitted(*setup.inference_args)
+                phases.append("2 inference calls")
+            if setup.train_args is not None and any(m in modes for m in TRAINING_MODES):
+                for _ in range(2):
+                    loss = jitted(*setup.train_args)
+                    loss = loss if loss.dim() == 0 else loss.square().mean()
+                    loss.backward()
+                    model.zero_grad(set_to_none=True)
+                    del loss
+                phases.append("2 training steps")
+            out(
+                f"ran {' and '.join(phases) or 'nothing (no selected mode applies)'} on the CPU"
+                f" in {time.monotonic() - start:.1f} s"
+            )
+            out(str(explain(jitted)))
+        except Exception as e:  # noqa: BLE001 - reported; the other workloads go on
+            out(f"capture plan failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")

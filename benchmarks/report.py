@@ -1,0 +1,218 @@
+"""Results: the record of one measurement, and the JSON, Markdown and PNG files written from a list of them.
+
+Records are plain mappings here (``Record.to_dict()`` makes one), so the writers work on results read back from JSON.
+Times in the table and the chart are also shown as ratios to two references of the same workload and mode:
+``manual-graph`` (the practical limit) and ``thunder+CUDAGraphTransform`` (Thunder's own CUDA-graph transform).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "REFERENCES",
+    "Record",
+    "host_breakdown_text",
+    "markdown_table",
+    "ratio",
+    "results_basename",
+    "write_chart",
+    "write_results",
+]
+
+#: The variants times are divided by, with the column titles of their ratios.
+REFERENCES = {"manual-graph": "x manual-graph", "thunder+CUDAGraphTransform": "x CUDAGraphTransform"}
+
+_MODE_ORDER = ("inference", "train_fwd", "train_bwd", "train_step")
+
+
+@dataclasses.dataclass
+class Record:
+    """One (workload, mode, variant) measurement. ``error`` is set, and the numbers may be None, when it failed."""
+
+    workload: str
+    mode: str
+    variant: str
+    median_us: float | None = None
+    peak_mem_bytes: int | None = None
+    setup_s: float | None = None
+    correct: bool | None = None
+    error: str | None = None
+    #: Largest relative error (norm of the difference over norm of eager's) among the compared tensors.
+    rel_err: float | None = None
+    #: Extra facts: cudagraphex's regions and graphs, graph-related warnings, what kernel-floor measures.
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def slug(text: str) -> str:
+    """``"NVIDIA H200"`` -> ``"nvidia-h200"``."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def results_basename(date: str, gpu: str) -> str:
+    """The file name, without suffix, of a run's results: ``<date>-<gpu slug>``."""
+    return f"{date}-{slug(gpu)}"
+
+
+def ratio(records: Sequence[Mapping[str, Any]], record: Mapping[str, Any], reference: str) -> float | None:
+    """``record``'s time divided by that of variant ``reference`` in the same workload and mode; None if either
+    time is missing."""
+    if record.get("median_us") is None:
+        return None
+    for other in records:
+        if (
+            other["variant"] == reference
+            and other["workload"] == record["workload"]
+            and other["mode"] == record["mode"]
+            and other.get("median_us")
+        ):
+            return record["median_us"] / other["median_us"]
+    return None
+
+
+def _ordered(records: Sequence[Mapping[str, Any]], variants: Sequence[str]) -> list[Mapping[str, Any]]:
+    workloads = list(dict.fromkeys(r["workload"] for r in records))
+
+    def key(r: Mapping[str, Any]) -> tuple:
+        mode = _MODE_ORDER.index(r["mode"]) if r["mode"] in _MODE_ORDER else len(_MODE_ORDER)
+        variant = variants.index(r["variant"]) if r["variant"] in variants else len(variants)
+        return workloads.index(r["workload"]), mode, variant, r["variant"]
+
+    return sorted(records, key=key)
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "/").replace("\n", " ")
+
+
+def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str] = ()) -> str:
+    """A Markdown table of ``records``, grouped by workload and mode, variants in the order of ``variants``."""
+    columns = ["workload", "mode", "variant", "median µs", *REFERENCES.values(), "peak MiB", "setup s", "correct"]
+    lines = ["| " + " | ".join([*columns, "error"]) + " |", "|" + "---|" * (len(columns) + 1)]
+    for r in _ordered(records, variants):
+        ratios = [_num(ratio(records, r, ref), ".2f") for ref in REFERENCES]
+        peak = r.get("peak_mem_bytes")
+        correct = r.get("correct")
+        cells = [
+            r["workload"],
+            r["mode"],
+            r["variant"],
+            _num(r.get("median_us"), ".1f"),
+            *ratios,
+            _num(None if peak is None else peak / 2**20, ".0f"),
+            _num(r.get("setup_s"), ".2f"),
+            "–" if correct is None else ("yes" if correct else "NO"),
+            _cell(r.get("error") or ""),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_chart(records: Sequence[Mapping[str, Any]], path: Path, variants: Sequence[str] = ()) -> Path:
+    """A bar chart of every variant's time as a ratio to each reference (one panel per reference, log scale).
+
+    Uses matplotlib's Agg canvas directly, so it never touches the global backend.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    ordered = _ordered(records, variants)
+    # Only (workload, mode) groups that have a reference time (the microbenchmark has none).
+    groups = list(
+        dict.fromkeys((r["workload"], r["mode"]) for r in ordered if any(ratio(records, r, ref) for ref in REFERENCES))
+    )
+    names = list(dict.fromkeys(r["variant"] for r in ordered if (r["workload"], r["mode"]) in groups))
+    fig = Figure(figsize=(max(9.0, 1.3 * len(groups) + 5), 9), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(REFERENCES), 1, squeeze=False)[:, 0]
+    width = 0.8 / max(1, len(names))
+    for ax, (reference, title) in zip(axes, REFERENCES.items(), strict=True):
+        plotted = False
+        for i, name in enumerate(names):
+            xs, ys = [], []
+            for g, (workload, mode) in enumerate(groups):
+                for r in ordered:
+                    if (r["workload"], r["mode"], r["variant"]) == (workload, mode, name):
+                        value = ratio(records, r, reference)
+                        if value is not None:
+                            xs.append(g - 0.4 + (i + 0.5) * width)
+                            ys.append(value)
+            if ys:
+                ax.bar(xs, ys, width=width, label=name)
+                plotted = True
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_yscale("log")
+        plain = FuncFormatter(lambda value, _: f"{value:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.set_ylabel(f"time {title} (log)")
+        ax.set_xticks(range(len(groups)), [f"{w}\n{m}" for w, m in groups], fontsize=7)
+        ax.set_title(f"time / time of {reference} (same workload and mode; lower is faster)")
+        if plotted:
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        else:
+            ax.text(0.5, 0.5, f"no {reference} times to compare with", transform=ax.transAxes, ha="center")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _markdown_document(records: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], variants: Sequence[str]) -> str:
+    lines = [f"# cudagraphex benchmarks: {meta.get('gpu', '?')}, {meta.get('date', '?')}", ""]
+    versions = meta.get("versions", {})
+    if versions:
+        lines += [", ".join(f"{k} {v}" for k, v in versions.items()), ""]
+    lines += [markdown_table(records, variants), ""]
+    breakdown = meta.get("host_breakdown")
+    if breakdown:
+        lines += ["## Host cost of a replay (micro-100ops)", "", host_breakdown_text(breakdown), ""]
+    return "\n".join(lines)
+
+
+def host_breakdown_text(breakdown: Mapping[str, Any]) -> str:
+    """The derived costs of the microbenchmark, one per line."""
+    labels = {
+        "cudagraphex_overhead_per_region_us": "cudagraphex overhead per region (region call - graph.replay, k=1)",
+        "per_copied_input_us": "per copied input (slope over k)",
+        "thunder_glue_us": "Thunder prologue/epilogue + glue (thunder call - region call, k=1)",
+    }
+    lines = [f"- {label}: {_num(breakdown.get(key), '.2f')} µs" for key, label in labels.items()]
+    if breakdown.get("error"):
+        lines.append(f"- error: {breakdown['error']}")
+    return "\n".join(lines)
+
+
+def write_results(
+    records: Sequence[Mapping[str, Any]],
+    meta: Mapping[str, Any],
+    out_dir: Path,
+    variants: Sequence[str] = (),
+) -> dict[str, Path]:
+    """Writes ``<date>-<gpu>.json``, ``.md`` and ``.png`` into ``out_dir`` (created if needed); returns their paths
+    by suffix. Without matplotlib there is no chart, and no ``"png"`` key.
+
+    ``meta`` must hold ``date`` and ``gpu``. The JSON is ``{"meta": meta, "records": records}``.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = out_dir / results_basename(meta["date"], meta["gpu"])
+    paths = {"json": base.with_suffix(".json"), "md": base.with_suffix(".md"), "png": base.with_suffix(".png")}
+    payload = {"meta": dict(meta), "records": [dict(r) for r in records]}
+    paths["json"].write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    paths["md"].write_text(_markdown_document(records, meta, variants))
+    try:
+        write_chart(records, paths["png"], variants)
+    except ImportError:  # matplotlib is an optional dependency (the "bench" extra)
+        del paths["png"]
+    return paths

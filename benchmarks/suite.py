@@ -1,0 +1,518 @@
+"""The GPU run: every (workload, variant, mode), each checked against eager and then timed.
+
+How a measurement goes, for one variant in one mode:
+
+1. ``setup_s``: wall time from making the case through its first 3 calls (compilation, warm-up, graph capture;
+   a compiled object is reused across modes, so the modes after the first pay less of it).
+2. ``correct``: one more call, compared with eager's results (outputs; gradients in training modes). Relative error
+   (norm of the difference / norm of eager's) at most 1e-3 in fp32, 5e-2 in bf16 or fp16.
+3. ``median_us``: warm-up calls, then ``reps`` repetitions of a block of calls long enough to last ``rep_target_s``,
+   each block between two ``torch.cuda.synchronize``; the median over blocks of the time per call.
+4. ``peak_mem_bytes``: ``torch.cuda.max_memory_allocated`` over the timed phase, after a reset of the peak statistics
+   (so it includes the model and everything alive while timing).
+
+Tasks run cheapest and most telling first (eager, manual-graph, kernel-floor, then the microbenchmark, the cudagraphex
+and CUDAGraphTransform variants, ...), so that a time budget that runs out drops the least important ones; each
+skipped task is recorded with its reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from benchmarks.report import Record
+from benchmarks.variants import (
+    GRAPH_VARIANTS,
+    TORCH_COMPILE_VARIANTS,
+    VARIANTS,
+    Case,
+    Compiled,
+    ManualGraph,
+    compile_variant,
+    device_time_per_call_us,
+    module_case,
+)
+from benchmarks.workloads import WORKLOADS, Setup, Workload
+
+__all__ = ["Options", "Prepared", "Suite", "compare", "prepare", "time_per_call_us"]
+
+SETUP_CALLS = 3
+MAX_ITERS_PER_REP = 5000
+
+#: Tasks in the order they run: cheap references first, then the comparisons this suite exists for.
+TASK_ORDER = (
+    ("eager", "manual-graph", "kernel-floor"),
+    ("micro",),
+    ("thunder+cudagraphex", "thunder+CUDAGraphTransform"),
+    ("thunder", "thunder+cudagraphex(last)"),
+    ("torch.compile(reduce-overhead)", "thunder+cudagraphex+PruneParameterChecks", "torch.compile"),
+    ("thunder+torchcompile+cudagraphex",),
+)
+
+#: Rough seconds a task takes on an H200 host (compilation dominates), for the budget. Per workload: the cost of a
+#: plain Thunder variant over all its modes; per variant: a multiple of it. The run rescales these by what it sees.
+_WORKLOAD_COST_S = {"mlp16x256-b8": 6, "nanogpt6-d256-t32-b1": 18, "llama-decode": 10, "gpt12-d1024-b8-t512": 36}
+_VARIANT_COST = {
+    "eager": 0.25,
+    "manual-graph": 0.3,
+    "kernel-floor": 0.2,
+    "thunder": 1.0,
+    "thunder+CUDAGraphTransform": 1.0,
+    "thunder+cudagraphex": 1.1,
+    "thunder+cudagraphex(last)": 1.1,
+    "thunder+cudagraphex+PruneParameterChecks": 1.1,
+    "torch.compile": 1.5,
+    "torch.compile(reduce-overhead)": 1.5,
+    "thunder+torchcompile+cudagraphex": 2.0,
+}
+MICRO_COST_S = 15.0
+
+
+@dataclass(frozen=True)
+class Options:
+    """How long to measure. ``budget_s`` (0: none) bounds the wall time of all tasks together."""
+
+    reps: int = 5
+    quick: bool = False
+    budget_s: float = 450.0
+
+    @property
+    def warmup_calls(self) -> int:
+        return 1 if self.quick else 3
+
+    @property
+    def rep_target_s(self) -> float:
+        return 0.02 if self.quick else 0.05
+
+    @property
+    def profile_calls(self) -> int:
+        return 5 if self.quick else 10
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-3 if dtype == torch.float32 else 5e-2
+
+
+def compare(
+    got: Sequence[torch.Tensor | None], expected: Sequence[torch.Tensor | None], dtype: torch.dtype
+) -> tuple[bool, float]:
+    """Whether ``got`` matches eager's ``expected`` within the tolerance of ``dtype``; and the largest relative error.
+
+    The relative error of a tensor is ``|got - expected| / (|expected| + 1e-6 sqrt(n))`` (Frobenius norms), which
+    judges a whole gradient at once instead of its smallest elements. A missing tensor, a shape mismatch or a
+    non-finite value is never correct.
+    """
+    if len(got) != len(expected):
+        return False, float("inf")
+    worst = 0.0
+    for g, e in zip(got, expected, strict=True):
+        if g is None or e is None:
+            if g is not e:
+                return False, float("inf")
+            continue
+        if g.shape != e.shape:
+            return False, float("inf")
+        g, e = g.detach().double(), e.detach().double()
+        if not bool(torch.isfinite(g).all()):
+            return False, float("inf")
+        floor = 1e-6 * max(1, e.numel()) ** 0.5
+        worst = max(worst, float((g - e).norm() / (e.norm() + floor)))
+    return worst <= tolerance(dtype), worst
+
+
+def time_per_call_us(call: Callable[[], None], sync: Callable[[], None], options: Options) -> float:
+    """The median over ``options.reps`` synchronized blocks of calls of the wall time per call, in microseconds."""
+    for _ in range(options.warmup_calls):
+        call()
+    sync()
+    start = time.perf_counter()
+    call()
+    sync()
+    single = time.perf_counter() - start
+    iters = max(1, min(MAX_ITERS_PER_REP, int(options.rep_target_s / max(single, 1e-7))))
+    samples = []
+    for _ in range(max(1, options.reps)):
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            call()
+        sync()
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples) * 1e6
+
+
+def short_error(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(e).__name__}: {first}"[:240]
+
+
+class Budget:
+    """Decides whether a task still fits in the time left, from its expected cost scaled by how the run is going."""
+
+    def __init__(self, total_s: float) -> None:
+        self.total_s = total_s
+        self.start = time.monotonic()
+        self._expected = 0.0
+        self._actual = 0.0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def scale(self) -> float:
+        if self._expected < 10.0:
+            return 1.0
+        return min(4.0, max(0.5, self._actual / self._expected))
+
+    def fits(self, expected_s: float) -> bool:
+        return self.total_s <= 0 or self.elapsed() + expected_s * self.scale() <= self.total_s
+
+    def overrun(self) -> bool:
+        """Past the budget by more than a grace period: stop even inside a task (between modes)."""
+        return self.total_s > 0 and self.elapsed() > self.total_s + 30.0
+
+    def spent(self, expected_s: float, actual_s: float) -> None:
+        self._expected += expected_s
+        self._actual += actual_s
+
+
+@dataclass
+class Prepared:
+    """A workload built once per run, with eager's results for each mode (the correctness reference)."""
+
+    setup: Setup
+    modes: tuple[str, ...]
+    #: The cotangent training modes backpropagate: 1 for a scalar loss, a fixed random tensor for other outputs.
+    grad_out: torch.Tensor | None
+    expected: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)
+
+
+def prepare(workload: Workload, modes: Sequence[str], device: torch.device) -> Prepared:
+    """Builds ``workload`` on ``device`` and runs eager once per mode in ``modes`` (those it supports) for the
+    reference results. Raises whatever building or running raises."""
+    setup = workload.build(device, False)
+    modes = tuple(m for m in modes if m in workload.modes)
+    model = setup.fresh_model()
+    grad_out = None
+    if any(m != "inference" for m in modes):
+        torch.manual_seed(1)
+        out = model(*setup.train_args)
+        grad_out = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
+        del out
+    prepared = Prepared(setup, modes, grad_out)
+    for mode in modes:
+        case = module_case(model, model, mode, setup.args(mode), grad_out)
+        prepared.expected[mode] = case.collect()
+        case.close()
+    return prepared
+
+
+class Suite:
+    """Runs the GPU benchmarks (or, on ``device`` cpu, the same code with an emulating executor, for testing).
+
+    Args:
+        workloads, modes, variants: what to run (names from ``WORKLOADS``, ``MODES``, ``VARIANTS``).
+        options: measurement options.
+        micro: whether to run the host-overhead microbenchmark.
+        progress: called with a short label after every finished (workload, variant, mode) or skipped one.
+        log: called with human-readable progress lines (elapsed time per task, skips).
+    """
+
+    def __init__(
+        self,
+        workloads: Sequence[str],
+        modes: Sequence[str],
+        variants: Sequence[str],
+        options: Options,
+        *,
+        micro: bool = False,
+        device: torch.device | None = None,
+        progress: Callable[[str], None] = lambda label: None,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.device = device or torch.device("cuda", torch.cuda.current_device())
+        self.workloads = [WORKLOADS[w] for w in workloads]
+        self.modes = tuple(modes)
+        self.variants = tuple(v for v in VARIANTS if v in variants)
+        self.options = options
+        self.micro = micro
+        self.progress = progress
+        self.log = log
+        self.budget = Budget(options.budget_s)
+        self.records: list[Record] = []
+        self.host_breakdown: dict | None = None
+        self.seconds_per_workload: dict[str, float] = {w.name: 0.0 for w in self.workloads}
+        self.broken: str | None = None
+        self._prepared: dict[str, Prepared | BaseException] = {}
+        self.graph_executor = _graph_executor(self.device)
+
+    # -- what runs -------------------------------------------------------------------------------------------------
+
+    def modes_of(self, workload: Workload) -> tuple[str, ...]:
+        return tuple(m for m in self.modes if m in workload.modes)
+
+    def num_measurements(self) -> int:
+        """How many (workload, variant, mode) results the run will report (for a progress bar)."""
+        per_variant = sum(len(self.modes_of(w)) for w in self.workloads)
+        micro = 9 if self.micro else 0
+        return per_variant * len(self.variants) + micro
+
+    def tasks(self) -> Iterable[tuple[str, Workload | None]]:
+        for tier in TASK_ORDER:
+            if tier == ("micro",):
+                if self.micro:
+                    yield "micro", None
+                continue
+            for workload in self.workloads:
+                for variant in tier:
+                    if variant in self.variants and self.modes_of(workload):
+                        yield variant, workload
+
+    # -- the run -------------------------------------------------------------------------------------------------------
+
+    def run(self) -> list[Record]:
+        for variant, workload in self.tasks():
+            if variant == "micro":
+                self._run_micro()
+                continue
+            self._run_task(workload, variant)
+        self._prepared.clear()
+        _free_memory(self.device)
+        return self.records
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _skip(self, workload: Workload, variant: str, modes: Sequence[str], reason: str) -> None:
+        for mode in modes:
+            self.records.append(Record(workload.name, mode, variant, error=reason))
+            self.progress(f"{workload.name} {variant} {mode}")
+
+    def _run_task(self, workload: Workload, variant: str) -> None:
+        modes = self.modes_of(workload)
+        if self.broken:
+            self._skip(workload, variant, modes, f"skipped: the CUDA context failed earlier ({self.broken})")
+            return
+        expected_s = _WORKLOAD_COST_S.get(workload.name, 10) * _VARIANT_COST.get(variant, 1.0)
+        if not self.budget.fits(expected_s):
+            reason = f"skipped: over the time budget (--budget-s {self.options.budget_s:g})"
+            self._skip(workload, variant, modes, reason)
+            self.log(f"{workload.name} / {variant}: {reason}")
+            return
+        start = time.monotonic()
+        prepared = self._prepare(workload)
+        if isinstance(prepared, BaseException):
+            self._skip(workload, variant, modes, f"building the workload failed: {short_error(prepared)}")
+        else:
+            self._run_variant(workload, variant, prepared)
+        took = time.monotonic() - start
+        self.budget.spent(expected_s, took)
+        self.seconds_per_workload[workload.name] += took
+        self.log(f"{workload.name} / {variant}: {len(modes)} mode(s) in {took:.1f} s")
+
+    def _prepare(self, workload: Workload) -> Prepared | BaseException:
+        """The workload's :class:`Prepared`, built on first use; an exception if building it failed."""
+        if workload.name not in self._prepared:
+            try:
+                self._prepared[workload.name] = prepare(workload, self.modes, self.device)
+            except Exception as e:  # noqa: BLE001 - recorded for every task of this workload
+                self._prepared[workload.name] = e
+                self._check_health(e)
+            _free_memory(self.device)
+        return self._prepared[workload.name]
+
+    def _run_variant(self, workload: Workload, variant: str, prepared: Prepared) -> None:
+        setup = prepared.setup
+        compiled: Compiled | ManualGraph | None = None
+        try:
+            if variant == "manual-graph":
+                compiled = ManualGraph(setup.fresh_model)
+            elif variant == "kernel-floor":
+                module = setup.fresh_model()
+                compiled = Compiled(module, module)
+            else:
+                compiled = compile_variant(variant, setup.fresh_model(), self.graph_executor)
+        except Exception as e:  # noqa: BLE001 - recorded; the run goes on
+            self._skip(workload, variant, prepared.modes, short_error(e))
+        if compiled is not None:
+            for mode in prepared.modes:
+                record = Record(workload.name, mode, variant)
+                if self.broken or self.budget.overrun():
+                    record.error = "skipped: " + (
+                        f"the CUDA context failed earlier ({self.broken})" if self.broken else "over the time budget"
+                    )
+                else:
+                    self._measure(record, compiled, prepared)
+                self.records.append(record)
+                self.progress(f"{workload.name} {variant} {mode}")
+        del compiled
+        if variant in TORCH_COMPILE_VARIANTS:
+            with contextlib.suppress(Exception):
+                torch._dynamo.reset()
+        _free_memory(self.device)
+
+    def _measure(self, record: Record, compiled: Compiled | ManualGraph, prepared: Prepared) -> None:
+        mode, setup = record.mode, prepared.setup
+        case: Case | None = None
+        notes: list[str] = []
+        skips_before = _cudagraph_skips()
+        try:
+            # Warnings are collected while compiling and capturing (where graph fallbacks are reported), not while
+            # timing, so that a warning repeated on every call costs what it costs users.
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self._sync()
+                start = time.perf_counter()
+                with _rare_gc():
+                    case = compiled.case(mode, setup.args(mode), prepared.grad_out)
+                    for _ in range(SETUP_CALLS):
+                        case.call()
+                    self._sync()
+                setup_s = time.perf_counter() - start
+                if record.variant != "kernel-floor":
+                    record.setup_s = setup_s
+                    got = case.collect()
+                    record.correct, record.rel_err = compare(got, prepared.expected[mode], setup.dtype)
+                    del got
+            notes += _graph_warnings(caught)
+            if record.variant == "kernel-floor":
+                record.median_us = device_time_per_call_us(case.call, self.options.profile_calls)
+                notes.append("GPU time (kernels, memcpy, memset) of the eager call, from torch.profiler")
+            else:
+                if self.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                record.median_us = time_per_call_us(case.call, self._sync, self.options)
+                if self.device.type == "cuda":
+                    record.peak_mem_bytes = torch.cuda.max_memory_allocated(self.device)
+            if record.variant == "torch.compile(reduce-overhead)" and _cudagraph_skips() > skips_before:
+                notes.append("inductor skipped CUDA graphs for some graph (torch._dynamo counters: cudagraph_skips)")
+            if record.variant in GRAPH_VARIANTS:
+                notes.append(_cudagraphex_summary(compiled.fn))
+        except Exception as e:  # noqa: BLE001 - recorded; the run goes on
+            record.error = short_error(e)
+            self._check_health(e)
+        finally:
+            if case is not None:
+                with contextlib.suppress(Exception):
+                    case.close()
+            del case
+        record.note = "; ".join(n for n in notes if n) or None
+
+    def _check_health(self, error: BaseException) -> None:
+        """After an error: if the CUDA context no longer works, every later task is skipped (their results would be
+        errors anyway), and the run still writes what it has."""
+        if self.device.type != "cuda":
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.ones(1, device=self.device).add_(1).item()
+        except Exception as e:  # noqa: BLE001 - any failure here means the context is unusable
+            self.broken = short_error(e)
+            self.log(f"the CUDA context failed after: {short_error(error)}; skipping the rest of the run")
+
+    def _run_micro(self) -> None:
+        from benchmarks.micro import MICRO_WORKLOAD, run_micro
+
+        if self.broken or not self.budget.fits(MICRO_COST_S):
+            reason = f"skipped: the CUDA context failed earlier ({self.broken})" if self.broken else "skipped: budget"
+            self.records.append(Record(MICRO_WORKLOAD, "inference", "thunder call k=1", error=reason))
+            for _ in range(9):
+                self.progress("micro skipped")
+            return
+        start = time.monotonic()
+        records, breakdown = run_micro(self.graph_executor, self.device, self.options, self._sync, self.progress)
+        self.records += records
+        self.host_breakdown = breakdown
+        took = time.monotonic() - start
+        self.budget.spent(MICRO_COST_S, took)
+        self.log(f"micro-100ops: {took:.1f} s")
+        _free_memory(self.device)
+
+
+@contextlib.contextmanager
+def _rare_gc():
+    """Collects garbage rarely while compiling: Thunder's tracing allocates millions of short-lived objects and the
+    default thresholds make the collector a sizeable part of compile time. Timing runs with the default thresholds,
+    so that garbage cycles holding GPU memory are freed as usual."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(max(thresholds[0], 100_000), *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()
+
+
+def _graph_warnings(caught: Sequence[warnings.WarningMessage]) -> list[str]:
+    """Warnings that say a graph was not used (cudagraphex capture failures, graph budgets, cudagraph skips)."""
+    seen = []
+    for w in caught:
+        text = str(w.message).splitlines()[0][:200] if str(w.message) else ""
+        if "graph" in text.lower() and text not in seen:
+            seen.append(text)
+    return seen[:3]
+
+
+def _cudagraph_skips() -> int:
+    """How often inductor has fallen back from CUDA graphs in this process (reduce-overhead's silent failure)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["inductor"]["cudagraph_skips"])
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return 0
+
+
+def _cudagraphex_summary(fn) -> str:
+    from cudagraphex import explain
+
+    try:
+        report = explain(fn)
+    except Exception as e:  # noqa: BLE001 - a diagnostic only
+        return f"explain() failed: {short_error(e)}"
+    regions = report.regions
+    replays = sum(r.replays for r in regions)
+    text = f"cudagraphex: {len(regions)} region(s), {report.num_graphs} graph(s), {replays} replay(s)"
+    failed = [r.name for r in regions if r.disabled_reason]
+    if failed:
+        text += f", capture failed in {', '.join(failed)}"
+    return text
+
+
+def _graph_executor(device: torch.device):
+    """cudagraphex on a GPU; on the CPU (testing the suite itself) an executor with the emulated replay backend."""
+    if device.type == "cuda":
+        from cudagraphex import cudagraphex
+
+        return cudagraphex
+    return _emulated_executor("cudagraphex_bench_emulate")
+
+
+def _emulated_executor(name: str):
+    from thunder.extend import get_executor, register_executor
+
+    from cudagraphex import CUDAGraphExecutor
+
+    existing = get_executor(name)
+    if existing is not None:
+        return existing
+    executor = CUDAGraphExecutor(name, backend="emulate")
+    register_executor(executor)
+    return executor
+
+
+def _free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        with contextlib.suppress(Exception):  # a failed context raises here too; _check_health reports it
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()

@@ -1,0 +1,353 @@
+"""The variants: how each one compiles a model, and how it runs one call of each mode.
+
+A variant turns a model into a :class:`Case` per mode. ``Case.call`` runs one call and drops what it returns (a
+caller that keeps outputs would make graph runtimes copy them); ``Case.collect`` runs one call and returns copies of
+what the correctness check compares with eager: the output for ``inference`` and ``train_fwd``, the parameter
+gradients for ``train_bwd``, the loss or output followed by the gradients for ``train_step``.
+
+Per-mode work is the same for every variant:
+
+* ``inference``: ``model(*args)`` under ``torch.no_grad``.
+* ``train_fwd``: ``model(*args)`` with autograd recording; the output and its graph are dropped.
+* ``train_bwd``: the forward runs once when the case is made; each call is
+  ``torch.autograd.grad(out, params, grad_out, retain_graph=True)``, which returns the gradients instead of
+  accumulating them into ``.grad``, so every call does the same work.
+* ``train_step``: ``out = model(*args)``, ``out.backward(grad_out)``, ``model.zero_grad(set_to_none=True)``.
+
+``manual-graph`` captures by hand, as the PyTorch CUDA-graph documentation shows (warm-up on a side stream, then
+``torch.cuda.graph``):
+
+* ``inference``: the no-grad forward in one graph; a call copies the inputs into the graph's input buffers and replays.
+* ``train_fwd`` and ``train_bwd``: ``torch.cuda.make_graphed_callables`` on the model, which captures a forward graph
+  and a backward graph and joins them to autograd; ``train_fwd`` replays the forward graph, ``train_bwd`` the backward
+  graph (through ``torch.autograd.grad`` on one graphed forward, like the other variants).
+* ``train_step``: forward and backward in one graph ("whole-network capture"). The gradients are None when it is
+  captured, so the captured backward allocates them from the graph's pool and every replay writes them afresh: a
+  replay does what forward + backward + ``zero_grad(set_to_none=True)`` does, and leaves the gradients readable.
+
+``kernel-floor`` is not a way to run the model: the runner profiles the eager case and sums its GPU time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = [
+    "GRAPH_VARIANTS",
+    "TORCH_COMPILE_VARIANTS",
+    "VARIANTS",
+    "Case",
+    "Compiled",
+    "CompiledPerPhase",
+    "ManualGraph",
+    "compile_variant",
+    "device_time_per_call_us",
+    "module_case",
+]
+
+VARIANTS = (
+    "eager",
+    "thunder",
+    "thunder+CUDAGraphTransform",
+    "thunder+cudagraphex",
+    "thunder+cudagraphex(last)",
+    "thunder+cudagraphex+PruneParameterChecks",
+    "thunder+torchcompile+cudagraphex",
+    "torch.compile",
+    "torch.compile(reduce-overhead)",
+    "manual-graph",
+    "kernel-floor",
+)
+#: Variants that use cudagraphex (their notes report its regions and graphs).
+GRAPH_VARIANTS = (
+    "thunder+cudagraphex",
+    "thunder+cudagraphex(last)",
+    "thunder+cudagraphex+PruneParameterChecks",
+    "thunder+torchcompile+cudagraphex",
+)
+#: Variants after which torch._dynamo is reset (the Thunder torchcompile executor uses torch.compile too).
+TORCH_COMPILE_VARIANTS = ("torch.compile", "torch.compile(reduce-overhead)", "thunder+torchcompile+cudagraphex")
+
+
+def _no_op() -> None:
+    return None
+
+
+@dataclass
+class Case:
+    """One variant in one mode, ready to run. Call :attr:`close` when done, to free what the case holds."""
+
+    call: Callable[[], None]
+    collect: Callable[[], list[torch.Tensor | None]]
+    close: Callable[[], None] = field(default=_no_op)
+
+
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
+def _params(module: nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def module_case(
+    fn: Callable[..., torch.Tensor],
+    module: nn.Module,
+    mode: str,
+    args: Sequence[torch.Tensor],
+    grad_out: torch.Tensor | None,
+    before_call: Callable[[], None] = _no_op,
+) -> Case:
+    """The case of mode ``mode`` for ``fn``, a callable with the signature of ``module`` that uses its parameters.
+
+    ``before_call`` runs before every call of ``fn`` (``torch.compiler.cudagraph_mark_step_begin`` for
+    reduce-overhead). Training modes need ``grad_out``, the cotangent of the output. ``train_bwd`` runs the forward
+    once, here.
+    """
+    params = _params(module)
+
+    if mode == "inference":
+
+        def forward() -> torch.Tensor:
+            before_call()
+            with torch.no_grad():
+                return fn(*args)
+
+        def call() -> None:
+            forward()
+
+        return Case(call, lambda: [_copy(forward())])
+
+    if mode == "train_fwd":
+
+        def call() -> None:
+            before_call()
+            fn(*args)
+
+        def collect() -> list[torch.Tensor | None]:
+            before_call()
+            return [_copy(fn(*args))]
+
+        return Case(call, collect)
+
+    if mode == "train_bwd":
+        before_call()
+        held = {"out": fn(*args)}
+
+        def grads() -> tuple[torch.Tensor | None, ...]:
+            return torch.autograd.grad(held["out"], params, grad_out, retain_graph=True, allow_unused=True)
+
+        def call() -> None:
+            grads()
+
+        return Case(call, lambda: [_copy(g) for g in grads()], held.clear)
+
+    if mode == "train_step":
+
+        def step(keep: bool) -> list[torch.Tensor | None]:
+            before_call()
+            out = fn(*args)
+            out.backward(grad_out)
+            kept = [_copy(out), *(_copy(p.grad) for p in params)] if keep else []
+            module.zero_grad(set_to_none=True)
+            return kept
+
+        def call() -> None:
+            step(False)
+
+        return Case(call, lambda: step(True))
+
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+class Compiled:
+    """A model compiled by one variant; :meth:`case` makes the case of a mode (the compiled object is reused)."""
+
+    def __init__(self, module: nn.Module, fn: Callable, before_call: Callable[[], None] = _no_op) -> None:
+        self.module = module
+        self.fn = fn
+        self.before_call = before_call
+
+    def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
+        return module_case(self.fn, self.module, mode, args, grad_out, self.before_call)
+
+
+class CompiledPerPhase(Compiled):
+    """A variant whose compiled object cannot serve both inference and training: one is made per phase, lazily.
+
+    Thunder's ``CUDAGraphTransform`` (0.2.6) takes every optimized computation trace for an augmented forward, the
+    no-grad one included, and then expects a backward trace before the next forward: once a jitted model has compiled
+    its inference trace, compiling its training trace fails ("called on augmented forward twice without backward in
+    between"). Thunder compiles inference and training traces separately anyway, so this costs no extra compilation.
+    """
+
+    def __init__(self, module: nn.Module, make: Callable[[nn.Module], Callable]) -> None:
+        super().__init__(module, None)
+        self._make = make
+        self._by_phase: dict[str, Callable] = {}
+
+    def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
+        phase = "inference" if mode == "inference" else "training"
+        if phase not in self._by_phase:
+            self._by_phase[phase] = self._make(self.module)
+        self.fn = self._by_phase[phase]
+        return super().case(mode, args, grad_out)
+
+
+def compile_variant(name: str, module: nn.Module, graph_executor) -> Compiled:
+    """Compiles ``module`` the way variant ``name`` does (not manual-graph or kernel-floor, see :class:`ManualGraph`).
+
+    ``graph_executor`` is the cudagraphex executor to use: ``cudagraphex`` on a GPU, an emulating one on the CPU.
+    Raises whatever compiling raises (the runner records it).
+    """
+    import thunder
+
+    defaults = list(thunder.get_default_executors())
+    if name == "eager":
+        return Compiled(module, module)
+    if name == "thunder":
+        return Compiled(module, thunder.jit(module))
+    if name == "thunder+CUDAGraphTransform":
+        from thunder.transforms.cudagraph import CUDAGraphTransform
+
+        return CompiledPerPhase(module, lambda m: thunder.jit(m, transforms=[CUDAGraphTransform()]))
+    if name == "thunder+cudagraphex":
+        return Compiled(module, thunder.jit(module, executors=[graph_executor, *defaults]))
+    if name == "thunder+cudagraphex(last)":
+        return Compiled(module, thunder.jit(module, executors=[*defaults, graph_executor]))
+    if name == "thunder+cudagraphex+PruneParameterChecks":
+        # The opt-in for users who promise not to replace parameters (see cudagraphex.PruneParameterChecks).
+        from cudagraphex import PruneParameterChecks
+
+        jitted = thunder.jit(module, executors=[graph_executor, *defaults], transforms=[PruneParameterChecks()])
+        return Compiled(module, jitted)
+    if name == "thunder+torchcompile+cudagraphex":
+        from thunder.executors.torch_compile import torch_compile_ex
+
+        return Compiled(module, thunder.jit(module, executors=[graph_executor, torch_compile_ex, *defaults]))
+    if name == "torch.compile":
+        return Compiled(module, torch.compile(module))
+    if name == "torch.compile(reduce-overhead)":
+        # The documented way to use CUDA-graph trees: mark the start of every step (every call of the model).
+        return Compiled(module, torch.compile(module, mode="reduce-overhead"), torch.compiler.cudagraph_mark_step_begin)
+    raise ValueError(f"variant {name!r} is not a compiled variant")
+
+
+def _capture(fn: Callable[[], object], *, no_grad: bool, before_each: Callable[[], None] = _no_op):
+    """Warms ``fn`` up on a side stream, then captures it into a new graph; returns (graph, what the capture returned).
+
+    This is the recipe of the PyTorch CUDA-graph documentation: warm-up iterations on a side stream (lazy
+    initialisation, cuBLAS workspaces, autograd's stream bookkeeping), then ``torch.cuda.graph``.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.set_grad_enabled(not no_grad):
+        for _ in range(3):
+            before_each()
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    before_each()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.set_grad_enabled(not no_grad):
+        out = fn()
+    return graph, out
+
+
+class ManualGraph:
+    """The ``manual-graph`` variant: each mode captures a fresh copy of the model by hand (module docstring)."""
+
+    def __init__(self, fresh_model: Callable[[], nn.Module]) -> None:
+        self.fresh_model = fresh_model
+
+    def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
+        module = self.fresh_model()
+        params = _params(module)
+        static_args = [a.clone() for a in args]
+
+        def copy_inputs() -> None:
+            for static, a in zip(static_args, args, strict=True):
+                static.copy_(a)
+
+        if mode == "inference":
+            graph, out = _capture(lambda: module(*static_args), no_grad=True)
+
+            def replay() -> None:
+                copy_inputs()
+                graph.replay()
+
+            def collect() -> list[torch.Tensor | None]:
+                replay()
+                return [_copy(out)]
+
+            return Case(replay, collect)
+
+        if mode in ("train_fwd", "train_bwd"):
+            graphed = torch.cuda.make_graphed_callables(module, tuple(static_args))
+            if mode == "train_fwd":
+
+                def call() -> None:
+                    graphed(*args)
+
+                return Case(call, lambda: [_copy(graphed(*args))])
+            held = {"out": graphed(*args)}
+
+            def grads() -> tuple[torch.Tensor | None, ...]:
+                return torch.autograd.grad(held["out"], params, grad_out, retain_graph=True, allow_unused=True)
+
+            def call_bwd() -> None:
+                grads()
+
+            return Case(call_bwd, lambda: [_copy(g) for g in grads()], held.clear)
+
+        if mode == "train_step":
+
+            def forward_backward() -> torch.Tensor:
+                out = module(*static_args)
+                out.backward(grad_out)
+                return out
+
+            def no_grads() -> None:
+                module.zero_grad(set_to_none=True)
+
+            graph, out = _capture(forward_backward, no_grad=False, before_each=no_grads)
+
+            def step() -> None:
+                copy_inputs()
+                graph.replay()
+
+            def collect_step() -> list[torch.Tensor | None]:
+                step()
+                return [_copy(out), *(_copy(p.grad) for p in params)]
+
+            return Case(step, collect_step)
+
+        raise ValueError(f"unknown mode {mode!r}")
+
+
+def device_time_per_call_us(call: Callable[[], None], calls: int) -> float:
+    """The GPU time of one ``call``: kernels, memcpys and memsets recorded by ``torch.profiler`` over ``calls`` calls,
+    summed and divided by ``calls``. Raises RuntimeError if the profiler saw no GPU activity (no CUPTI, say)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    seen = 0
+    for event in prof.events():
+        # GPU-side user annotations span kernels that are counted on their own.
+        if event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+            continue
+        total_us += event.time_range.elapsed_us()
+        seen += 1
+    if not seen:
+        raise RuntimeError("the profiler recorded no GPU activity (is CUPTI available?)")
+    return total_us / calls

@@ -1,0 +1,159 @@
+"""The benchmark workloads: what model, what inputs, which modes, in which dtype.
+
+Every workload is built from a fixed seed, so two builds on one device hold the same weights and inputs. ``plan=True``
+builds the reduced version the CPU capture plan compiles (Thunder's tracing takes seconds per layer on a CPU; the
+graph structure repeats per layer, so one or a few layers show the same plan).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from benchmarks.models import GPT, GPTConfig, llama_decode, mlp
+
+__all__ = ["MODES", "TRAINING_MODES", "WORKLOADS", "Setup", "Workload", "transformers_available"]
+
+#: ``inference``: a forward pass under ``torch.no_grad``. ``train_fwd``: the forward pass with autograd recording.
+#: ``train_bwd``: the backward pass alone, repeated on one retained forward graph. ``train_step``: forward, backward,
+#: ``zero_grad(set_to_none=True)``.
+MODES = ("inference", "train_fwd", "train_bwd", "train_step")
+TRAINING_MODES = MODES[1:]
+
+
+@dataclass
+class Setup:
+    """A built workload: a model and the arguments of its calls, on one device.
+
+    ``train_args`` is None for an inference-only workload. Training modes call ``model(*train_args)``; an output that
+    is not a scalar loss is backpropagated with a fixed random cotangent.
+    """
+
+    model: nn.Module
+    inference_args: tuple[torch.Tensor, ...]
+    train_args: tuple[torch.Tensor, ...] | None
+    dtype: torch.dtype
+    #: For the CPU plan: what was made smaller than the real workload (empty when nothing was).
+    reduced: str = ""
+
+    def fresh_model(self) -> nn.Module:
+        """An independent copy of the model (each variant gets its own, so no variant sees another's state)."""
+        return copy.deepcopy(self.model)
+
+    def args(self, mode: str) -> tuple[torch.Tensor, ...]:
+        if mode == "inference":
+            return self.inference_args
+        if self.train_args is None:
+            raise ValueError(f"mode {mode} is not supported by this workload")
+        return self.train_args
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    modes: tuple[str, ...]
+    #: (device, plan) -> Setup
+    build: Callable[[torch.device, bool], Setup] = field(repr=False)
+    needs_transformers: bool = False
+
+
+def _seeded(seed: int = 0) -> None:
+    torch.manual_seed(seed)
+
+
+def _build_mlp(device: torch.device, plan: bool) -> Setup:
+    _seeded()
+    depth = 4 if plan else 16
+    model = mlp(depth, 256).to(device)
+    x = torch.randn(8, 256, device=device)
+    reduced = "4 of the 16 (Linear, GELU) layers" if plan else ""
+    return Setup(model, (x,), (x,), torch.float32, reduced)
+
+
+def _gpt_setup(config: GPTConfig, batch: int, tokens: int, device: torch.device, dtype: torch.dtype) -> Setup:
+    _seeded()
+    model = GPT(config).to(device=device, dtype=dtype)
+    idx = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
+    targets = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
+    return Setup(model, (idx,), (idx, targets), dtype)
+
+
+def _build_nanogpt(device: torch.device, plan: bool) -> Setup:
+    config = GPTConfig(n_layer=1 if plan else 6, n_head=4, n_embd=256, block_size=64, vocab_size=512, dropout=0.0)
+    setup = _gpt_setup(config, 1, 32, device, torch.float32)
+    setup.reduced = "1 of the 6 layers" if plan else ""
+    return setup
+
+
+def _build_gpt12(device: torch.device, plan: bool) -> Setup:
+    if plan:
+        config = GPTConfig(n_layer=1, n_head=2, n_embd=128, block_size=64, vocab_size=512, dropout=0.0)
+        setup = _gpt_setup(config, 1, 32, device, torch.float32)
+        setup.reduced = "1 of 12 layers, d=128, vocab 512, batch 1, 32 tokens, fp32"
+        return setup
+    # bf16: the fp32 step (no TF32) takes several times longer, and that time is the GPU's, not launch overhead.
+    config = GPTConfig(n_layer=12, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304, dropout=0.0)
+    return _gpt_setup(config, 8, 512, device, torch.bfloat16)
+
+
+def _build_llama(device: torch.device, plan: bool) -> Setup:
+    _seeded()
+    if plan:
+        sizes = {"num_layers": 1, "hidden_size": 128, "num_heads": 4, "intermediate_size": 352, "vocab_size": 1000}
+        sizes["max_cache_len"] = 64
+        dtype = torch.float32
+    else:
+        sizes = {}
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = llama_decode(device=device, dtype=dtype, **sizes)
+    position = 32
+    input_ids = torch.randint(0, model.model.config.vocab_size, (1, 1), device=device)
+    cache_position = torch.tensor([position], device=device)
+    reduced = "1 of 4 layers, hidden 128, vocab 1000, cache 64" if plan else ""
+    return Setup(model, (input_ids, cache_position), None, dtype, reduced)
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload(
+            "mlp16x256-b8",
+            "16 x (Linear 256, GELU), batch 8, fp32",
+            MODES,
+            _build_mlp,
+        ),
+        Workload(
+            "nanogpt6-d256-t32-b1",
+            "nanoGPT decoder: 6 layers, d=256, 4 heads, vocab 512, 32 tokens, batch 1, fp32; training returns the loss",
+            MODES,
+            _build_nanogpt,
+        ),
+        Workload(
+            "llama-decode",
+            "HF LlamaForCausalLM (4 layers, hidden 512, 8 heads, vocab 32000, random weights), one-token decode at"
+            " position 32 of a 256-long static KV cache, batch 1, bf16",
+            ("inference",),
+            _build_llama,
+            needs_transformers=True,
+        ),
+        Workload(
+            "gpt12-d1024-b8-t512",
+            "GPT: 12 layers, d=1024, 16 heads, vocab 50304, 512 tokens, batch 8, bf16 weights and activations",
+            MODES,
+            _build_gpt12,
+        ),
+    )
+}
+
+
+def transformers_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True

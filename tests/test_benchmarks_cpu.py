@@ -1,0 +1,206 @@
+"""The benchmark suite on the CPU: the main job's fallback, the result writers, option parsing, and the measuring code
+run on the CPU with the emulated replay backend (the GPU-only pieces are exercised on a GPU by ``pytest benchmarks/``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.__main__ import parse_args
+from benchmarks.report import markdown_table, write_results
+from benchmarks.variants import VARIANTS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run_main(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU path even on a machine with a GPU
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_main_without_gpu_prints_the_capture_plan():
+    result = _run_main("--workloads", "mlp16x256-b8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "No CUDA GPU" in out
+    assert "sizes reduced for the CPU" in out
+    assert "cudagraphex report" in out
+    # inference and a training step: the computation trace, then the forward and backward regions
+    assert "(computation, cudagraphex_plan)" in out and "(forward+backward, cudagraphex_plan)" in out
+    assert re.search(r"CUDAGraph\d+ \[backward, cpu\]: \d+ ops, 1 graph\(s\)", out)
+
+
+@pytest.mark.parametrize(
+    ("option", "bad"),
+    [("--workloads", "mlp16x256-b8,resnet"), ("--modes", "training"), ("--variants", "eager,thunder+magic")],
+)
+def test_unknown_names_are_rejected(capsys, option, bad):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([option, bad])
+    assert exit_info.value.code != 0
+    message = capsys.readouterr().err
+    wrong = bad.split(",")[-1]
+    assert f"'{wrong}'" in message and option in message
+
+
+def test_unknown_name_exits_nonzero_from_the_command_line():
+    result = _run_main("--variants", "thunder+warp-drive", timeout=120)
+    assert result.returncode == 2
+    assert "thunder+warp-drive" in result.stderr
+
+
+def test_default_selection_runs_everything_and_the_microbenchmark():
+    args = parse_args([])
+    assert args.run_micro and args.run_workloads
+    assert len(args.workloads) == 4 and len(args.modes) == 4 and args.variants == list(VARIANTS)
+    only_micro = parse_args(["--micro"])
+    assert only_micro.run_micro and not only_micro.run_workloads
+    selected = parse_args(["--workloads", "llama-decode"])
+    assert selected.run_workloads and not selected.run_micro
+
+
+def _fake_records():
+    rows = [
+        ("mlp16x256-b8", "inference", "eager", 300.0),
+        ("mlp16x256-b8", "inference", "manual-graph", 100.0),
+        ("mlp16x256-b8", "inference", "thunder+CUDAGraphTransform", 200.0),
+        ("mlp16x256-b8", "inference", "thunder+cudagraphex", 120.0),
+        ("mlp16x256-b8", "train_step", "eager", 800.0),
+        ("mlp16x256-b8", "train_step", "manual-graph", 400.0),
+    ]
+    records = [
+        {
+            "workload": w,
+            "mode": m,
+            "variant": v,
+            "median_us": t,
+            "peak_mem_bytes": 3 * 2**20,
+            "setup_s": 0.5,
+            "correct": True,
+            "error": None,
+        }
+        for w, m, v, t in rows
+    ]
+    records.append(
+        {
+            "workload": "mlp16x256-b8",
+            "mode": "train_step",
+            "variant": "torch.compile",
+            "median_us": None,
+            "peak_mem_bytes": None,
+            "setup_s": None,
+            "correct": None,
+            "error": "RuntimeError: boom | bang",
+        }
+    )
+    return records
+
+
+def _table_rows(table: str) -> dict[tuple[str, str], dict[str, str]]:
+    lines = table.splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        rows[(cells["mode"], cells["variant"])] = cells
+    return rows
+
+
+_META = {"date": "2026-01-02", "gpu": "NVIDIA H200", "host_breakdown": {"per_copied_input_us": 0.5}}
+
+
+def test_writers_show_ratios_to_both_references(tmp_path):
+    records = _fake_records()
+    paths = write_results(records, _META, tmp_path)
+
+    assert paths["json"].name == "2026-01-02-nvidia-h200.json"
+    data = json.loads(paths["json"].read_text())
+    assert data["meta"]["gpu"] == "NVIDIA H200" and len(data["records"]) == len(records)
+
+    rows = _table_rows(markdown_table(records))
+    eager = rows[("inference", "eager")]
+    assert eager["x manual-graph"] == "3.00" and eager["x CUDAGraphTransform"] == "1.50"
+    assert rows[("inference", "thunder+cudagraphex")]["x manual-graph"] == "1.20"
+    assert rows[("inference", "thunder+cudagraphex")]["x CUDAGraphTransform"] == "0.60"
+    assert rows[("train_step", "eager")]["x manual-graph"] == "2.00"
+    assert rows[("train_step", "eager")]["x CUDAGraphTransform"] == "–"  # no reference in that mode
+    failed = rows[("train_step", "torch.compile")]
+    assert failed["median µs"] == "–" and failed["error"] == "RuntimeError: boom / bang"
+    assert eager["peak MiB"] == "3"
+
+    md = paths["md"].read_text()
+    assert "| mlp16x256-b8 | inference | eager | 300.0 | 3.00 | 1.50 |" in md
+    assert "per copied input" in md
+
+
+def test_chart_is_written(tmp_path):
+    pytest.importorskip("matplotlib")  # an optional dependency: without it, write_results skips the chart
+    paths = write_results(_fake_records(), _META, tmp_path)
+    png = paths["png"].read_bytes()
+    assert paths["png"].name == "2026-01-02-nvidia-h200.png"
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
+def test_measuring_code_on_the_cpu_with_the_emulated_backend():
+    """The GPU run's code path (build, eager reference, compile, check, time), on the CPU: CUDA-only variants record
+    their error and the run goes on."""
+    from benchmarks.suite import Options, Suite
+
+    suite = Suite(
+        ["mlp16x256-b8"],
+        ["inference", "train_bwd"],
+        ["eager", "thunder+cudagraphex", "manual-graph"],
+        Options(reps=2, quick=True, budget_s=0),
+        micro=True,
+        device=torch.device("cpu"),
+        log=lambda line: None,
+    )
+    assert suite.num_measurements() == 2 * 3 + 9
+    records = {(r.workload, r.mode, r.variant): r for r in suite.run()}
+
+    for mode in ("inference", "train_bwd"):
+        for variant in ("eager", "thunder+cudagraphex"):
+            r = records[("mlp16x256-b8", mode, variant)]
+            assert r.error is None and r.correct is True and r.median_us > 0 and r.setup_s is not None
+        graphed = records[("mlp16x256-b8", mode, "thunder+cudagraphex")]
+        assert "cudagraphex:" in graphed.note and "0 graph(s)" not in graphed.note
+        assert records[("mlp16x256-b8", mode, "manual-graph")].error  # needs CUDA: recorded, not raised
+
+    micro = [r for r in records.values() if r.workload == "micro-100ops"]
+    assert len(micro) == 9 and all(r.error is None and r.median_us > 0 for r in micro)
+    breakdown = suite.host_breakdown
+    for key in ("cudagraphex_overhead_per_region_us", "per_copied_input_us", "thunder_glue_us"):
+        assert isinstance(breakdown[key], float)
+
+
+def test_merge_keeps_older_records_that_a_run_does_not_redo(tmp_path):
+    from benchmarks.__main__ import _merged
+
+    older = _fake_records()
+    write_results(older, _META, tmp_path)
+    redo = dict(older[0], median_us=999.0)  # eager inference, measured again
+    skipped = dict(older[1], median_us=None, error="skipped: over the time budget")  # manual-graph, not redone
+    new = dict(older[0], variant="thunder", median_us=250.0)
+    rows, meta = _merged([redo, skipped, new], dict(_META), tmp_path)
+    by_key = {(r["mode"], r["variant"]): r for r in rows}
+    assert len(rows) == len(older) + 1
+    assert by_key[("inference", "eager")]["median_us"] == 999.0
+    assert by_key[("inference", "manual-graph")]["median_us"] == 100.0
+    assert by_key[("inference", "thunder")]["median_us"] == 250.0
+    assert "merged_with" in meta
