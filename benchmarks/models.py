@@ -205,4 +205,4 @@ def llama_decode(
     # transformers renamed the decoder layers' ``past_key_values`` argument to ``cache`` (5.2x); pass whichever exists.
     parameters = inspect.signature(LlamaDecoderLayer.forward).parameters
     cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
-    return LlamaDecodeStep(model, cache, max_cache_len, cache_kwarg)
+    return LlamaDecodeStep(model, cache, max_cache_len, cache_kwarg).to(device)

@@ -35,7 +35,7 @@ from thunder.extend import (
 
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.capture import backend_for
-from cudagraphex.regions import RegionSpec, plan_regions, written_inputs
+from cudagraphex.regions import RegionSpec, count_ops, plan_regions, written_inputs
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion, GraphOptions, RegionInfo
 from cudagraphex.safety import unsafe_reason
 from cudagraphex.static_inputs import classify_inputs
@@ -244,7 +244,7 @@ class CUDAGraphExecutor(FusionExecutor):
             name=name,
             phase=spec.phase,
             device=spec.device,
-            num_ops=len(spec.bound_symbols),
+            num_ops=count_ops(spec.bound_symbols),
             input_names=[p.name for p in spec.inputs],
             output_names=[p.name for p in spec.outputs],
             returned=spec.returned,

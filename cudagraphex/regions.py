@@ -17,7 +17,7 @@ Two hazards can only be seen once runs exist, so forming regions iterates until 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 import thunder.torch as ltorch
@@ -184,6 +184,11 @@ def _may_alias_input(bsym: BoundSymbol) -> bool:
     )
 
 
+def count_ops(bsyms: Iterable[BoundSymbol]) -> int:
+    """The ops a run of symbols executes: a fusion (another executor's) counts as the ops it fuses."""
+    return sum((len(b.subsymbols) or 1) if b.sym.is_fusion else 1 for b in bsyms)
+
+
 def written_inputs(members: list[BoundSymbol], inputs: Collection[str]) -> dict[int, frozenset[str]]:
     """For each member (by id) that writes in place, the region inputs whose memory the write may reach."""
     aliases: dict[str, set[str]] = {}  # proxy -> region inputs whose memory it may share
@@ -278,10 +283,11 @@ class _Planner:
 
     def _close_run(self, run: list[tuple[int, BoundSymbol]], sequence: list, breaks: list[Break]) -> None:
         ops = [(i, b) for i, b in run if b.sym.id not in TRANSPARENT]
-        if len(ops) < self.min_size:
+        size = count_ops(b for _, b in ops)
+        if size < self.min_size:
             sequence.extend(b for _, b in run)
             for _, b in ops:
-                reason = f"would form a graph of {len(ops)} op(s), fewer than min_region_size={self.min_size}"
+                reason = f"would form a graph of {size} op(s), fewer than min_region_size={self.min_size}"
                 breaks.append(Break(b.sym.name, reason, source_line(b)))
             return
         spec = self._spec(ops)

@@ -180,7 +180,8 @@ def test_measuring_code_on_the_cpu_with_the_emulated_backend():
             assert r.error is None and r.correct is True and r.median_us > 0 and r.setup_s is not None
         graphed = records[("mlp16x256-b8", mode, "thunder+cudagraphex")]
         assert "cudagraphex:" in graphed.note and "0 graph(s)" not in graphed.note
-        assert records[("mlp16x256-b8", mode, "manual-graph")].error  # needs CUDA: recorded, not raised
+        if not torch.cuda.is_available():  # with CUDA present, capturing CPU work "succeeds" (with a warning)
+            assert records[("mlp16x256-b8", mode, "manual-graph")].error  # needs CUDA: recorded, not raised
 
     micro = [r for r in records.values() if r.workload == "micro-100ops"]
     assert len(micro) == 9 and all(r.error is None and r.median_us > 0 for r in micro)

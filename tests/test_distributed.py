@@ -26,7 +26,8 @@ def test_every_communication_symbol_stays_out_of_graphs():
 
 
 def run_worker(args: list[str], env: dict[str, str], launcher: list[str]) -> str:
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": str(ROOT), **env}
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": pythonpath, **env}
     done = subprocess.run(
         [*launcher, str(WORKER), *args], check=False, env=env, capture_output=True, text=True, timeout=900
     )

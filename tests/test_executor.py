@@ -269,8 +269,9 @@ def test_sdpa_grad_rule_is_still_used():
     jm(idx).float().sum().backward()
     forward = str(thunder.last_traces(jm)[-1])
     backward = str(thunder.last_backward_traces(jm)[-1])
-    assert "sdpaex_grad_forward_scaled_dot_product" in forward
-    assert "sdpaex_scaled_dot_product" in backward
+    # sdpaex_* (memory-efficient) or sdpafx_* (flash) symbols, both from the sdpa executor's grad rule
+    assert "_grad_forward_scaled_dot_product_efficient_attention" in forward
+    assert "_scaled_dot_product_efficient_attention_backward" in backward
 
 
 def test_replaced_parameter_is_never_read_at_its_old_address(backend):
@@ -304,3 +305,18 @@ def test_pruned_parameter_checks_turn_a_broken_promise_into_an_error(backend):
         jm.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()}, assign=True)
         with pytest.raises(ParameterMovedError, match="t_0_weight"):
             jm(x)
+
+
+def test_last_position_wraps_another_executors_fusion():
+    """A fusion of many ops (here one torch.compile fusion of the whole MLP) is a region on its own."""
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    model = mlp(2, 16)
+    jm = thunder.jit(model, executors=[torch_compile_ex, emulated])
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(jm(x), model(x))
+    (region,) = regions(jm, emulated)
+    assert region.info.num_ops == 4 and replays(jm, emulated) == 2
+    assert "TorchCompile" in str(thunder.last_traces(jm)[-1])
