@@ -21,16 +21,9 @@ PLAN_EXECUTOR_NAME = "cudagraphex_plan"
 
 
 def _plan_executor():
-    from thunder.extend import get_executor, register_executor
+    from benchmarks.suite import emulated_executor
 
-    from cudagraphex import CUDAGraphExecutor
-
-    existing = get_executor(PLAN_EXECUTOR_NAME)
-    if existing is not None:
-        return existing
-    executor = CUDAGraphExecutor(PLAN_EXECUTOR_NAME, backend="emulate")
-    register_executor(executor)
-    return executor
+    return emulated_executor(PLAN_EXECUTOR_NAME)
 
 
 def show_plan(workloads: Sequence[str], modes: Sequence[str], out: Callable[[str], None] = print) -> None:

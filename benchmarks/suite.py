@@ -42,7 +42,7 @@ from benchmarks.variants import (
 )
 from benchmarks.workloads import WORKLOADS, Setup, Workload
 
-__all__ = ["Options", "Prepared", "Suite", "compare", "prepare", "time_per_call_us"]
+__all__ = ["Options", "Prepared", "Suite", "compare", "emulated_executor", "prepare", "time_per_call_us"]
 
 SETUP_CALLS = 3
 MAX_ITERS_PER_REP = 5000
@@ -494,10 +494,11 @@ def _graph_executor(device: torch.device):
         from cudagraphex import cudagraphex
 
         return cudagraphex
-    return _emulated_executor("cudagraphex_bench_emulate")
+    return emulated_executor("cudagraphex_bench_emulate")
 
 
-def _emulated_executor(name: str):
+def emulated_executor(name: str):
+    """The CPU-replay cudagraphex executor registered as ``name`` (created and registered on first use)."""
     from thunder.extend import get_executor, register_executor
 
     from cudagraphex import CUDAGraphExecutor
