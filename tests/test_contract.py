@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
 
 import pytest
@@ -560,6 +561,18 @@ def test_cuda_and_cpu_ops_are_split():
     assert [r.info.device for r in regions(jf, cuda)] == ["cuda:0"]
 
 
+def test_option_validation_bites(monkeypatch):
+    """Without validation at construction, a bad option fails late and obscurely instead of with a ValueError."""
+    from cudagraphex.runtime import GraphOptions
+
+    with pytest.raises(ValueError, match="backend"):
+        CUDAGraphExecutor("cudagraphex_bad_backend", backend="rocm")
+    monkeypatch.setattr(GraphOptions, "__post_init__", lambda self: None)
+    with pytest.raises(Exception) as late:
+        CUDAGraphExecutor("cudagraphex_bad_backend", backend="rocm")
+    assert not isinstance(late.value, ValueError)
+
+
 # -- 9. threads ---------------------------------------------------------------------------------------------------------
 
 
@@ -622,6 +635,64 @@ def test_capture_does_not_break_another_threads_kernels():
         stop.set()
         thread.join()
     assert errors == []
+
+
+_slow = OperatorExecutor("cudagraphex_test_slow")
+register_executor(_slow)
+
+
+def _slow_under_capture(x):
+    if is_capturing():
+        time.sleep(0.4)  # keeps this thread's capture open while the other thread runs
+    return x + 1
+
+
+slow_increment = _slow.register_operator("slow_increment", like=thunder.torch.neg, fn=_slow_under_capture)
+
+
+def capture_in_one_thread_breaks_the_other(ex) -> bool:
+    """Thread A captures a slow region while thread B runs, eagerly, an op that fails under capture."""
+
+    def a_fn(x):
+        return slow_increment(x.sin() * 2) * 3
+
+    def b_fn(x):
+        return fragile_triple(x.cos() + 1)
+
+    ja = thunder.jit(a_fn, executors=[ex, _slow, *thunder.get_default_executors()])
+    jb = thunder.jit(b_fn, executors=[_fragile, *thunder.get_default_executors()])
+    x = torch.randn(8)
+    ja(x)  # warm-up: the next call captures
+    jb(x)
+    errors, started = [], threading.Event()
+
+    def b_loop():
+        started.set()
+        deadline = time.perf_counter() + 0.6
+        while time.perf_counter() < deadline:
+            try:
+                jb(x)
+            except torch.OutOfMemoryError as e:
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=b_loop)
+    thread.start()
+    started.wait()
+    ja(x)
+    thread.join()
+    return bool(errors)
+
+
+def test_thread_local_capture_bites(monkeypatch):
+    """The replay backend's analogue of capture_error_mode="thread_local": only the capturing thread is capturing."""
+    import types
+
+    import cudagraphex.capture
+
+    assert not capture_in_one_thread_breaks_the_other(emulated)
+    monkeypatch.setattr(cudagraphex.capture, "_capturing", types.SimpleNamespace(active=False))  # one for all threads
+    assert capture_in_one_thread_breaks_the_other(emulated)
 
 
 # -- the randomized check ------------------------------------------------------------------------------------------------
