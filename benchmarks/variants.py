@@ -77,6 +77,19 @@ def _no_op() -> None:
     return None
 
 
+def _backward_only_case(out: torch.Tensor, params: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
+    """``train_bwd``: each call replays the backward of the one forward that produced ``out``."""
+    held = {"out": out}
+
+    def grads() -> tuple[torch.Tensor | None, ...]:
+        return torch.autograd.grad(held["out"], params, grad_out, retain_graph=True, allow_unused=True)
+
+    def call() -> None:
+        grads()
+
+    return Case(call, lambda: [_copy(g) for g in grads()], held.clear)
+
+
 @dataclass
 class Case:
     """One variant in one mode, ready to run. Call :attr:`close` when done, to free what the case holds."""
@@ -136,15 +149,7 @@ def module_case(
 
     if mode == "train_bwd":
         before_call()
-        held = {"out": fn(*args)}
-
-        def grads() -> tuple[torch.Tensor | None, ...]:
-            return torch.autograd.grad(held["out"], params, grad_out, retain_graph=True, allow_unused=True)
-
-        def call() -> None:
-            grads()
-
-        return Case(call, lambda: [_copy(g) for g in grads()], held.clear)
+        return _backward_only_case(fn(*args), params, grad_out)
 
     if mode == "train_step":
 
@@ -293,15 +298,7 @@ class ManualGraph:
                     graphed(*args)
 
                 return Case(call, lambda: [_copy(graphed(*args))])
-            held = {"out": graphed(*args)}
-
-            def grads() -> tuple[torch.Tensor | None, ...]:
-                return torch.autograd.grad(held["out"], params, grad_out, retain_graph=True, allow_unused=True)
-
-            def call_bwd() -> None:
-                grads()
-
-            return Case(call_bwd, lambda: [_copy(g) for g in grads()], held.clear)
+            return _backward_only_case(graphed(*args), params, grad_out)
 
         if mode == "train_step":
 
