@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import sys
 import time
@@ -95,7 +96,29 @@ def _versions() -> dict[str, str]:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = "not installed"
+    versions["cudagraphex_commit"] = _commit()
     return versions
+
+
+def _commit() -> str:
+    """The git commit of the code measured: ``git rev-parse HEAD`` of this checkout, or, for a copy of the tree
+    without ``.git`` (the GPU machine's), the environment variable ``CUDAGRAPHEX_COMMIT``; else "unknown"."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            check=False,
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        done = None
+    if done is not None and done.returncode == 0:
+        return done.stdout.strip()
+    return os.environ.get("CUDAGRAPHEX_COMMIT", "unknown")
 
 
 class _Progress:
@@ -182,10 +205,13 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
         "host_breakdown": suite.host_breakdown,
         "cuda_context_failed": suite.broken,
         "definitions": {
-            "median_us": "median over repetitions of the wall time per call, CUDA-synchronized blocks of calls",
+            "median_us": "median over repetitions of the wall time per call, CUDA-synchronized blocks of calls; "
+            "the variants of a workload and mode are timed interleaved, one block each per round",
             "setup_s": "wall time of making the case and its first 3 calls (compilation, warm-up, capture); the "
             "compiled object is reused across modes, in the order inference, train_fwd, train_bwd, train_step",
-            "peak_mem_bytes": "torch.cuda.max_memory_allocated over the timed phase after a reset of peak stats",
+            "peak_mem_bytes": "torch.cuda.max_memory_allocated over the mode's setup and 3 more calls, minus the "
+            "memory allocated before the variant built its model (includes what it keeps from earlier modes)",
+            "peak_reserved_bytes": "the same for torch.cuda.max_memory_reserved (graph pools keep freed blocks there)",
             "correct": "outputs (and gradients in training modes) within tolerance of eager: relative error "
             "(Frobenius) <= 1e-3 in fp32, 5e-2 in bf16",
             "kernel-floor": "GPU time (kernels, memcpy, memset) of the eager call from torch.profiler, per call",

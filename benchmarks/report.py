@@ -40,6 +40,8 @@ class Record:
     variant: str
     median_us: float | None = None
     peak_mem_bytes: int | None = None
+    #: Like ``peak_mem_bytes``, for memory reserved by the caching allocator (graph pools hold freed blocks there).
+    peak_reserved_bytes: int | None = None
     setup_s: float | None = None
     correct: bool | None = None
     error: str | None = None
@@ -93,17 +95,30 @@ def _num(value: float | None, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
+def _mib(size: int | None) -> str:
+    return _num(None if size is None else size / 2**20, ".0f")
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "/").replace("\n", " ")
 
 
 def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str] = ()) -> str:
     """A Markdown table of ``records``, grouped by workload and mode, variants in the order of ``variants``."""
-    columns = ["workload", "mode", "variant", "median µs", *REFERENCES.values(), "peak MiB", "setup s", "correct"]
+    columns = [
+        "workload",
+        "mode",
+        "variant",
+        "median µs",
+        *REFERENCES.values(),
+        "peak MiB",
+        "reserved MiB",
+        "setup s",
+        "correct",
+    ]
     lines = ["| " + " | ".join([*columns, "error"]) + " |", "|" + "---|" * (len(columns) + 1)]
     for r in _ordered(records, variants):
         ratios = [_num(ratio(records, r, ref), ".2f") for ref in REFERENCES]
-        peak = r.get("peak_mem_bytes")
         correct = r.get("correct")
         cells = [
             r["workload"],
@@ -111,7 +126,8 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
             r["variant"],
             _num(r.get("median_us"), ".1f"),
             *ratios,
-            _num(None if peak is None else peak / 2**20, ".0f"),
+            _mib(r.get("peak_mem_bytes")),
+            _mib(r.get("peak_reserved_bytes")),
             _num(r.get("setup_s"), ".2f"),
             "–" if correct is None else ("yes" if correct else "NO"),
             _cell(r.get("error") or ""),

@@ -1,19 +1,25 @@
 """The GPU run: every (workload, variant, mode), each checked against eager and then timed.
 
-How a measurement goes, for one variant in one mode:
+Workloads run one after another; everything built for one is freed before the next. For one workload:
 
-1. ``setup_s``: wall time from making the case through its first 3 calls (compilation, warm-up, graph capture;
-   a compiled object is reused across modes, so the modes after the first pay less of it).
-2. ``correct``: one more call, compared with eager's results (outputs; gradients in training modes). Relative error
-   (norm of the difference / norm of eager's) at most 1e-3 in fp32, 5e-2 in bf16 or fp16.
-3. ``median_us``: warm-up calls, then ``reps`` repetitions of a block of calls long enough to last ``rep_target_s``,
-   each block between two ``torch.cuda.synchronize``; the median over blocks of the time per call.
-4. ``peak_mem_bytes``: ``torch.cuda.max_memory_allocated`` over the timed phase, after a reset of the peak statistics
-   (so it includes the model and everything alive while timing).
+1. Per variant, in the order of ``TASK_ORDER`` (so that a time budget that runs out drops the least important ones;
+   each skipped task is recorded with its reason), and per mode:
 
-Tasks run cheapest and most telling first (eager, manual-graph, kernel-floor, then the microbenchmark, the cudagraphex
-and CUDAGraphTransform variants, ...), so that a time budget that runs out drops the least important ones; each
-skipped task is recorded with its reason.
+   * ``setup_s``: wall time from making the case through its first 3 calls (compilation, warm-up, graph capture;
+     a compiled object is reused across modes, so the modes after the first pay less of it).
+   * ``correct``: one more call, compared with eager's results (outputs; gradients in training modes). Relative error
+     (norm of the difference / norm of eager's) at most 1e-3 in fp32, 5e-2 in bf16 or fp16.
+   * ``peak_mem_bytes`` / ``peak_reserved_bytes``: the peak of ``torch.cuda.max_memory_allocated`` /
+     ``max_memory_reserved`` over the setup and a few more calls, minus what was allocated / reserved before the
+     variant built its model: the model, its gradients, activations, workspaces and graph pools (and what the
+     compiled object keeps from the modes measured before), and nothing of the other variants.
+
+   The case is then closed; the compiled object is kept for step 2.
+2. Per mode, ``median_us``, with the variants interleaved: every variant's case is made again and warmed up, then
+   ``reps`` rounds each time one block of calls per variant (blocks long enough to last ``rep_target_s``, between two
+   ``torch.cuda.synchronize``), in a rotating order. A variant's time is the median over rounds of the time per call.
+   This VM's speed drifts by tens of percent over minutes; interleaving exposes all variants to the same drift, so the
+   ratios within a workload and mode are what to compare.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import gc
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +37,6 @@ import torch
 from benchmarks.report import Record
 from benchmarks.variants import (
     GRAPH_VARIANTS,
-    TORCH_COMPILE_VARIANTS,
     VARIANTS,
     Case,
     Compiled,
@@ -42,15 +47,25 @@ from benchmarks.variants import (
 )
 from benchmarks.workloads import WORKLOADS, Setup, Workload
 
-__all__ = ["Options", "Prepared", "Suite", "compare", "emulated_executor", "prepare", "time_per_call_us"]
+__all__ = [
+    "Options",
+    "Prepared",
+    "Suite",
+    "compare",
+    "emulated_executor",
+    "interleaved_time_per_call_us",
+    "prepare",
+    "time_per_call_us",
+]
 
 SETUP_CALLS = 3
+MEMORY_CALLS = 3
 MAX_ITERS_PER_REP = 5000
 
-#: Tasks in the order they run: cheap references first, then the comparisons this suite exists for.
+#: Variants in the order they are set up within a workload: cheap references first, then the comparisons this suite
+#: exists for. The microbenchmark, when asked for, runs before the workloads.
 TASK_ORDER = (
     ("eager", "manual-graph", "kernel-floor"),
-    ("micro",),
     ("thunder+cudagraphex", "thunder+CUDAGraphTransform"),
     ("thunder", "thunder+cudagraphex(last)"),
     ("torch.compile(reduce-overhead)", "thunder+cudagraphex+PruneParameterChecks", "torch.compile"),
@@ -128,8 +143,8 @@ def compare(
     return worst <= tolerance(dtype), worst
 
 
-def time_per_call_us(call: Callable[[], None], sync: Callable[[], None], options: Options) -> float:
-    """The median over ``options.reps`` synchronized blocks of calls of the wall time per call, in microseconds."""
+def _iters_per_block(call: Callable[[], None], sync: Callable[[], None], options: Options) -> int:
+    """Warms ``call`` up, then how many calls make a block of about ``options.rep_target_s``."""
     for _ in range(options.warmup_calls):
         call()
     sync()
@@ -137,16 +152,52 @@ def time_per_call_us(call: Callable[[], None], sync: Callable[[], None], options
     call()
     sync()
     single = time.perf_counter() - start
-    iters = max(1, min(MAX_ITERS_PER_REP, int(options.rep_target_s / max(single, 1e-7))))
-    samples = []
-    for _ in range(max(1, options.reps)):
-        sync()
-        start = time.perf_counter()
-        for _ in range(iters):
-            call()
-        sync()
-        samples.append((time.perf_counter() - start) / iters)
-    return statistics.median(samples) * 1e6
+    return max(1, min(MAX_ITERS_PER_REP, int(options.rep_target_s / max(single, 1e-7))))
+
+
+def _block_us(call: Callable[[], None], iters: int, sync: Callable[[], None]) -> float:
+    sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    sync()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def time_per_call_us(call: Callable[[], None], sync: Callable[[], None], options: Options) -> float:
+    """The median over ``options.reps`` synchronized blocks of calls of the wall time per call, in microseconds."""
+    iters = _iters_per_block(call, sync, options)
+    return statistics.median(_block_us(call, iters, sync) for _ in range(max(1, options.reps)))
+
+
+def interleaved_time_per_call_us(
+    calls: Mapping[str, Callable[[], None]], sync: Callable[[], None], options: Options
+) -> dict[str, float | BaseException]:
+    """:func:`time_per_call_us` for several calls at once, their blocks interleaved: ``options.reps`` rounds, each
+    timing one block of every call, starting one call later each round. A call that raises gets its exception
+    instead of a time and leaves the later rounds."""
+    iters: dict[str, int] = {}
+    results: dict[str, float | BaseException] = {}
+    for name, call in calls.items():
+        try:
+            iters[name] = _iters_per_block(call, sync, options)
+        except Exception as e:  # noqa: BLE001 - reported per call
+            results[name] = e
+    samples: dict[str, list[float]] = {name: [] for name in iters}
+    names = list(iters)
+    for round_ in range(max(1, options.reps)):
+        for k in range(len(names)):
+            name = names[(round_ + k) % len(names)]
+            if name in results:
+                continue
+            try:
+                samples[name].append(_block_us(calls[name], iters[name], sync))
+            except Exception as e:  # noqa: BLE001 - reported per call
+                results[name] = e
+    for name, values in samples.items():
+        if name not in results:
+            results[name] = statistics.median(values)
+    return results
 
 
 def short_error(e: BaseException) -> str:
@@ -266,26 +317,39 @@ class Suite:
         return per_variant * len(self.variants) + micro
 
     def tasks(self) -> Iterable[tuple[str, Workload | None]]:
-        for tier in TASK_ORDER:
-            if tier == ("micro",):
-                if self.micro:
-                    yield "micro", None
+        """What runs, in order: ``("micro", None)``, then per workload its variants in ``TASK_ORDER``, each followed
+        by the workload's interleaved timing, ``("timing", workload)``."""
+        if self.micro:
+            yield "micro", None
+        for workload in self.workloads:
+            if not self.modes_of(workload):
                 continue
-            for workload in self.workloads:
+            for tier in TASK_ORDER:
                 for variant in tier:
-                    if variant in self.variants and self.modes_of(workload):
+                    if variant in self.variants:
                         yield variant, workload
+            yield "timing", workload
 
     # -- the run -------------------------------------------------------------------------------------------------------
 
     def run(self) -> list[Record]:
-        for variant, workload in self.tasks():
-            if variant == "micro":
+        built: dict[str, Compiled | ManualGraph] = {}
+        for task, workload in self.tasks():
+            if task == "micro":
                 self._run_micro()
-                continue
-            self._run_task(workload, variant)
-        self._prepared.clear()
-        _free_memory(self.device)
+            elif task == "timing":
+                try:
+                    self._time_interleaved(workload, built)
+                finally:
+                    built.clear()
+                    self._prepared.clear()
+                    with contextlib.suppress(Exception):
+                        torch._dynamo.reset()
+                    _free_memory(self.device)
+            else:
+                compiled = self._run_task(workload, task)
+                if compiled is not None:
+                    built[task] = compiled
         return self.records
 
     def _sync(self) -> None:
@@ -297,27 +361,31 @@ class Suite:
             self.records.append(Record(workload.name, mode, variant, error=reason))
             self.progress(f"{workload.name} {variant} {mode}")
 
-    def _run_task(self, workload: Workload, variant: str) -> None:
+    def _run_task(self, workload: Workload, variant: str) -> Compiled | ManualGraph | None:
+        """Sets up, checks and measures the memory of ``variant`` in every mode; returns the compiled object if some
+        mode is left to time."""
         modes = self.modes_of(workload)
         if self.broken:
             self._skip(workload, variant, modes, f"skipped: the CUDA context failed earlier ({self.broken})")
-            return
+            return None
         expected_s = _WORKLOAD_COST_S.get(workload.name, 10) * _VARIANT_COST.get(variant, 1.0)
         if not self.budget.fits(expected_s):
             reason = f"skipped: over the time budget (--budget-s {self.options.budget_s:g})"
             self._skip(workload, variant, modes, reason)
             self.log(f"{workload.name} / {variant}: {reason}")
-            return
+            return None
         start = time.monotonic()
+        compiled = None
         prepared = self._prepare(workload)
         if isinstance(prepared, BaseException):
             self._skip(workload, variant, modes, f"building the workload failed: {short_error(prepared)}")
         else:
-            self._run_variant(workload, variant, prepared)
+            compiled = self._run_variant(workload, variant, prepared)
         took = time.monotonic() - start
         self.budget.spent(expected_s, took)
         self.seconds_per_workload[workload.name] += took
         self.log(f"{workload.name} / {variant}: {len(modes)} mode(s) in {took:.1f} s")
+        return compiled
 
     def _prepare(self, workload: Workload) -> Prepared | BaseException:
         """The workload's :class:`Prepared`, built on first use; an exception if building it failed."""
@@ -330,9 +398,10 @@ class Suite:
             _free_memory(self.device)
         return self._prepared[workload.name]
 
-    def _run_variant(self, workload: Workload, variant: str, prepared: Prepared) -> None:
+    def _run_variant(self, workload: Workload, variant: str, prepared: Prepared) -> Compiled | ManualGraph | None:
         setup = prepared.setup
         compiled: Compiled | ManualGraph | None = None
+        base = _MemoryBase.now(self.device)
         try:
             if variant == "manual-graph":
                 compiled = ManualGraph(setup.fresh_model)
@@ -343,29 +412,31 @@ class Suite:
                 compiled = compile_variant(variant, setup.fresh_model(), self.graph_executor)
         except Exception as e:  # noqa: BLE001 - recorded; the run goes on
             self._skip(workload, variant, prepared.modes, short_error(e))
-        if compiled is not None:
-            for mode in prepared.modes:
-                record = Record(workload.name, mode, variant)
-                if self.broken or self.budget.overrun():
-                    record.error = "skipped: " + (
-                        f"the CUDA context failed earlier ({self.broken})" if self.broken else "over the time budget"
-                    )
-                else:
-                    self._measure(record, compiled, prepared)
-                self.records.append(record)
-                self.progress(f"{workload.name} {variant} {mode}")
-        del compiled
-        if variant in TORCH_COMPILE_VARIANTS:
-            with contextlib.suppress(Exception):
-                torch._dynamo.reset()
+            return None
+        to_time = False
+        for mode in prepared.modes:
+            record = Record(workload.name, mode, variant)
+            if self.broken or self.budget.overrun():
+                record.error = "skipped: " + (
+                    f"the CUDA context failed earlier ({self.broken})" if self.broken else "over the time budget"
+                )
+            else:
+                self._measure(record, compiled, prepared, base)
+            to_time |= record.error is None and variant != "kernel-floor"
+            self.records.append(record)
+            self.progress(f"{workload.name} {variant} {mode}")
         _free_memory(self.device)
+        return compiled if to_time else None
 
-    def _measure(self, record: Record, compiled: Compiled | ManualGraph, prepared: Prepared) -> None:
+    def _measure(self, record: Record, compiled: Compiled | ManualGraph, prepared: Prepared, base: _MemoryBase) -> None:
+        """Step 1 of the module docstring for one mode (kernel-floor: its GPU time instead)."""
         mode, setup = record.mode, prepared.setup
         case: Case | None = None
         notes: list[str] = []
         skips_before = _cudagraph_skips()
         try:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
             # Warnings are collected while compiling and capturing (where graph fallbacks are reported), not while
             # timing, so that a warning repeated on every call costs what it costs users.
             with warnings.catch_warnings(record=True) as caught:
@@ -387,12 +458,12 @@ class Suite:
             if record.variant == "kernel-floor":
                 record.median_us = device_time_per_call_us(case.call, self.options.profile_calls)
                 notes.append("GPU time (kernels, memcpy, memset) of the eager call, from torch.profiler")
-            else:
-                if self.device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                record.median_us = time_per_call_us(case.call, self._sync, self.options)
-                if self.device.type == "cuda":
-                    record.peak_mem_bytes = torch.cuda.max_memory_allocated(self.device)
+            elif self.device.type == "cuda":
+                for _ in range(MEMORY_CALLS):
+                    case.call()
+                self._sync()
+                record.peak_mem_bytes = torch.cuda.max_memory_allocated(self.device) - base.allocated
+                record.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device) - base.reserved
             if record.variant == "torch.compile(reduce-overhead)" and _cudagraph_skips() > skips_before:
                 notes.append("inductor skipped CUDA graphs for some graph (torch._dynamo counters: cudagraph_skips)")
             if record.variant in GRAPH_VARIANTS:
@@ -406,6 +477,44 @@ class Suite:
                     case.close()
             del case
         record.note = "; ".join(n for n in notes if n) or None
+
+    def _time_interleaved(self, workload: Workload, built: Mapping[str, Compiled | ManualGraph]) -> None:
+        """Step 2 of the module docstring: the median time per call of every variant in ``built``, mode by mode."""
+        prepared = self._prepared.get(workload.name)
+        if not built or not isinstance(prepared, Prepared):
+            return
+        start = time.monotonic()
+        records = {(r.variant, r.mode): r for r in self.records if r.workload == workload.name}
+        for mode in prepared.modes:
+            if self.broken:
+                break
+            cases: dict[str, Case] = {}
+            try:
+                for variant, compiled in built.items():
+                    record = records[(variant, mode)]
+                    if record.error is not None:
+                        continue
+                    try:
+                        cases[variant] = compiled.case(mode, prepared.setup.args(mode), prepared.grad_out)
+                    except Exception as e:  # noqa: BLE001 - recorded; the others are timed
+                        record.error = short_error(e)
+                        self._check_health(e)
+                calls = {variant: case.call for variant, case in cases.items()}
+                for variant, result in interleaved_time_per_call_us(calls, self._sync, self.options).items():
+                    if isinstance(result, BaseException):
+                        records[(variant, mode)].error = short_error(result)
+                        self._check_health(result)
+                    else:
+                        records[(variant, mode)].median_us = result
+            finally:
+                for case in cases.values():
+                    with contextlib.suppress(Exception):
+                        case.close()
+                cases.clear()
+                _free_memory(self.device)
+        took = time.monotonic() - start
+        self.seconds_per_workload[workload.name] += took
+        self.log(f"{workload.name}: interleaved timing of {len(built)} variant(s) in {took:.1f} s")
 
     def _check_health(self, error: BaseException) -> None:
         """After an error: if the CUDA context no longer works, every later task is skipped (their results would be
@@ -436,6 +545,20 @@ class Suite:
         self.budget.spent(MICRO_COST_S, took)
         self.log(f"micro-100ops: {took:.1f} s")
         _free_memory(self.device)
+
+
+@dataclass(frozen=True)
+class _MemoryBase:
+    """Bytes allocated and reserved on a device at one moment (zeros off CUDA)."""
+
+    allocated: int
+    reserved: int
+
+    @staticmethod
+    def now(device: torch.device) -> _MemoryBase:
+        if device.type != "cuda":
+            return _MemoryBase(0, 0)
+        return _MemoryBase(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
 
 
 @contextlib.contextmanager

@@ -18,9 +18,10 @@ Per-mode work is the same for every variant:
 ``torch.cuda.graph``):
 
 * ``inference``: the no-grad forward in one graph; a call copies the inputs into the graph's input buffers and replays.
-* ``train_fwd`` and ``train_bwd``: ``torch.cuda.make_graphed_callables`` on the model, which captures a forward graph
-  and a backward graph and joins them to autograd; ``train_fwd`` replays the forward graph, ``train_bwd`` the backward
-  graph (through ``torch.autograd.grad`` on one graphed forward, like the other variants).
+* ``train_fwd``: ``torch.cuda.make_graphed_callables`` on the model, which captures a forward graph and a backward
+  graph and joins them to autograd; a call replays the forward graph through that autograd function.
+* ``train_bwd``: the forward runs once, eagerly; ``torch.autograd.grad(out, params, grad_out, retain_graph=True)`` is
+  captured, and a call replays it (the gradients land in the graph's output buffers).
 * ``train_step``: forward and backward in one graph ("whole-network capture"). The gradients are None when it is
   captured, so the captured backward allocates them from the graph's pool and every replay writes them afresh: a
   replay does what forward + backward + ``zero_grad(set_to_none=True)`` does, and leaves the gradients readable.
@@ -38,7 +39,6 @@ from torch import nn
 
 __all__ = [
     "GRAPH_VARIANTS",
-    "TORCH_COMPILE_VARIANTS",
     "VARIANTS",
     "Case",
     "Compiled",
@@ -69,8 +69,6 @@ GRAPH_VARIANTS = (
     "thunder+cudagraphex+PruneParameterChecks",
     "thunder+torchcompile+cudagraphex",
 )
-#: Variants after which torch._dynamo is reset (the Thunder torchcompile executor uses torch.compile too).
-TORCH_COMPILE_VARIANTS = ("torch.compile", "torch.compile(reduce-overhead)", "thunder+torchcompile+cudagraphex")
 
 
 def _no_op() -> None:
@@ -242,13 +240,19 @@ def compile_variant(name: str, module: nn.Module, graph_executor) -> Compiled:
     raise ValueError(f"variant {name!r} is not a compiled variant")
 
 
-def _capture(fn: Callable[[], object], *, no_grad: bool, before_each: Callable[[], None] = _no_op):
+def _capture(
+    fn: Callable[[], object],
+    *,
+    no_grad: bool,
+    before_each: Callable[[], None] = _no_op,
+    stream: torch.cuda.Stream | None = None,
+):
     """Warms ``fn`` up on a side stream, then captures it into a new graph; returns (graph, what the capture returned).
 
     This is the recipe of the PyTorch CUDA-graph documentation: warm-up iterations on a side stream (lazy
-    initialisation, cuBLAS workspaces, autograd's stream bookkeeping), then ``torch.cuda.graph``.
+    initialisation, cuBLAS workspaces, autograd's stream bookkeeping), then ``torch.cuda.graph`` on that stream.
     """
-    stream = torch.cuda.Stream()
+    stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.set_grad_enabled(not no_grad):
         for _ in range(3):
@@ -257,7 +261,7 @@ def _capture(fn: Callable[[], object], *, no_grad: bool, before_each: Callable[[
     torch.cuda.current_stream().wait_stream(stream)
     before_each()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.set_grad_enabled(not no_grad):
+    with torch.cuda.graph(graph, stream=stream), torch.set_grad_enabled(not no_grad):
         out = fn()
     return graph, out
 
@@ -290,15 +294,32 @@ class ManualGraph:
 
             return Case(replay, collect)
 
-        if mode in ("train_fwd", "train_bwd"):
+        if mode == "train_fwd":
             graphed = torch.cuda.make_graphed_callables(module, tuple(static_args))
-            if mode == "train_fwd":
 
-                def call() -> None:
-                    graphed(*args)
+            def call() -> None:
+                graphed(*args)
 
-                return Case(call, lambda: [_copy(graphed(*args))])
-            return _backward_only_case(graphed(*args), params, grad_out)
+            return Case(call, lambda: [_copy(graphed(*args))])
+
+        if mode == "train_bwd":
+            # Autograd runs a backward op on the stream of its forward op: the forward runs (once, eagerly) on the
+            # stream the backward is then captured on.
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                out = module(*static_args)
+
+            def grads() -> tuple[torch.Tensor | None, ...]:
+                return torch.autograd.grad(out, params, grad_out, retain_graph=True, allow_unused=True)
+
+            graph, static_grads = _capture(grads, no_grad=False, stream=stream)
+
+            def collect_grads() -> list[torch.Tensor | None]:
+                graph.replay()
+                return [_copy(g) for g in static_grads]
+
+            return Case(graph.replay, collect_grads)
 
         if mode == "train_step":
 

@@ -12,7 +12,7 @@ import gc
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -136,18 +136,38 @@ class EmulatedGraph:
 
     def __init__(self, fn: Callable, args: Sequence[Any], static: Sequence[int], outputs: Sequence[torch.Tensor]):
         self._fn = fn
-        self._frozen = [None if i in static else a for i, a in enumerate(args)]
+        self._frozen = [None if i in static else _freeze(a) for i, a in enumerate(args)]
         self._static = tuple(static)
         self._outputs = tuple(outputs)
 
     def replay(self, args: Sequence[Any]) -> None:
-        call_args = list(self._frozen)
+        call_args = [_thaw(a) for a in self._frozen]
         for i in self._static:
             call_args[i] = args[i]
         for target, fresh in zip(self._outputs, self._fn(*call_args), strict=True):
             if fresh.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
                 dims = expanded_dims(target)
                 unexpand(target, dims).copy_(unexpand(fresh, dims))
+
+
+class _FrozenView(NamedTuple):
+    base: torch.Tensor
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _freeze(a: Any) -> Any:
+    """What a replay reads of a non-static argument. A CUDA graph keeps addresses, not tensor objects: for a view (an
+    expanded input buffer, say) only its base is kept and the view is rebuilt per replay, so that storage use counts,
+    which the runtime's liveness check compares, are those a real graph leaves."""
+    if isinstance(a, torch.Tensor) and a._base is not None:
+        return _FrozenView(a._base, a.size(), a.stride(), a.storage_offset())
+    return a
+
+
+def _thaw(a: Any) -> Any:
+    return a.base.as_strided(a.size, a.stride, a.offset) if isinstance(a, _FrozenView) else a
 
 
 class EmulatedBackend:

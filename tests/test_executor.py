@@ -212,6 +212,31 @@ def test_graph_is_reused_for_new_inputs_of_the_same_shape(backend):
     assert replays(jm, backend.executor) == 5  # the first call is the warm-up
 
 
+def test_expanded_input_whose_buffer_an_output_aliases_is_replayed(backend):
+    # The graph reads an expanded input through a view of a small buffer, and returns another view of that buffer.
+    def f(x, w):
+        return (x * w).sum(0), x.t()
+
+    jf = jit(f, backend.executor)
+    w = torch.randn(8, 4, device=backend.device)
+    held = []
+    for _ in range(6):
+        x = torch.randn(1, 4, device=backend.device).expand(8, 4)
+        total, transposed = jf(x, w)
+        torch.testing.assert_close(total, (x * w).sum(0))
+        torch.testing.assert_close(transposed, x.t())
+        held.append((x, transposed))
+        del total, transposed
+    for x, transposed in held:
+        torch.testing.assert_close(transposed, x.t())
+    held.clear()
+    for _ in range(3):
+        x = torch.randn(1, 4, device=backend.device).expand(8, 4)
+        torch.testing.assert_close(jf(x, w)[1], x.t())
+    # Once nothing holds its outputs, the first graph is replayed again instead of running the region eagerly.
+    assert replays(jf, backend.executor) >= 7
+
+
 def test_graphs_die_with_the_compiled_function(backend):
     model = mlp(2, 16).to(backend.device)
     jm = jit(model, backend.executor)
