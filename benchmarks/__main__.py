@@ -211,6 +211,9 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
             "compiled object is reused across modes, in the order inference, train_fwd, train_bwd, train_step",
             "peak_mem_bytes": "torch.cuda.max_memory_allocated over the mode's setup and 3 more calls, minus the "
             "memory allocated before the variant built its model (includes what it keeps from earlier modes)",
+            "in_graphs_us": "graph variants: the part of median_us spent inside the graph runners' calls (input "
+            "copies, checks, graph launches), from one block of calls with the runners timed; the rest is Thunder's "
+            "prologue, autograd functions and eager ops around the graphs",
             "peak_reserved_bytes": "the same for torch.cuda.max_memory_reserved (graph pools keep freed blocks there)",
             "correct": "outputs (and gradients in training modes) within tolerance of eager: relative error "
             "(Frobenius) <= 1e-3 in fp32, 5e-2 in bf16",

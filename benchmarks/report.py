@@ -45,6 +45,9 @@ class Record:
     setup_s: float | None = None
     correct: bool | None = None
     error: str | None = None
+    #: Graph variants: the part of ``median_us`` spent in the graph runners' calls (cudagraphex's regions, the runner
+    #: of Thunder's CUDAGraphTransform): input copies, checks, graph launches. The rest is Thunder around the graphs.
+    in_graphs_us: float | None = None
     #: Largest relative error (norm of the difference over norm of eager's) among the compared tensors.
     rel_err: float | None = None
     #: Extra facts: cudagraphex's regions and graphs, graph-related warnings, what kernel-floor measures.
@@ -110,6 +113,7 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
         "mode",
         "variant",
         "median µs",
+        "in graphs µs",
         *REFERENCES.values(),
         "peak MiB",
         "reserved MiB",
@@ -125,6 +129,7 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
             r["mode"],
             r["variant"],
             _num(r.get("median_us"), ".1f"),
+            _num(r.get("in_graphs_us"), ".1f"),
             *ratios,
             _mib(r.get("peak_mem_bytes")),
             _mib(r.get("peak_reserved_bytes")),

@@ -19,7 +19,8 @@ Workloads run one after another; everything built for one is freed before the ne
    ``reps`` rounds each time one block of calls per variant (blocks long enough to last ``rep_target_s``, between two
    ``torch.cuda.synchronize``), in a rotating order. A variant's time is the median over rounds of the time per call.
    This VM's speed drifts by tens of percent over minutes; interleaving exposes all variants to the same drift, so the
-   ratios within a workload and mode are what to compare.
+   ratios within a workload and mode are what to compare. For the graph variants, ``in_graphs_us`` is the part of
+   that time spent inside the graph runners' calls (:func:`in_graphs_fraction`); the rest is Thunder around them.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ __all__ = [
     "Suite",
     "compare",
     "emulated_executor",
+    "in_graphs_fraction",
     "interleaved_time_per_call_us",
     "prepare",
     "time_per_call_us",
@@ -198,6 +200,42 @@ def interleaved_time_per_call_us(
         if name not in results:
             results[name] = statistics.median(values)
     return results
+
+
+def in_graphs_fraction(call: Callable[[], None], sync: Callable[[], None], options: Options) -> float:
+    """The fraction of ``call``'s wall time spent in the calls of graph runners: cudagraphex's regions and the runner
+    of Thunder's ``CUDAGraphTransform`` (input copies, address and liveness checks, graph launches; the GPU work runs
+    asynchronously). The rest of a call is the caller's: Thunder's prologue, its autograd functions, eager ops.
+
+    Measured over one block of ``call`` (about ``options.rep_target_s``) with both runners wrapped in a timer, which
+    adds well under a microsecond per runner call."""
+    from thunder.transforms.cudagraph import CUDAGraphRunner
+
+    from cudagraphex.runtime import GraphedRegion
+
+    inside = [0.0]
+
+    def timed(method: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                inside[0] += time.perf_counter() - start
+
+        return wrapper
+
+    iters = _iters_per_block(call, sync, options)
+    patched = [(GraphedRegion, "__call__"), (CUDAGraphRunner, "call_cuda_graph")]
+    originals = [getattr(cls, name) for cls, name in patched]
+    for (cls, name), method in zip(patched, originals, strict=True):
+        setattr(cls, name, timed(method))
+    try:
+        total_us = _block_us(call, iters, sync) * iters
+    finally:
+        for (cls, name), method in zip(patched, originals, strict=True):
+            setattr(cls, name, method)
+    return min(1.0, inside[0] * 1e6 / total_us)
 
 
 def short_error(e: BaseException) -> str:
@@ -501,11 +539,17 @@ class Suite:
                         self._check_health(e)
                 calls = {variant: case.call for variant, case in cases.items()}
                 for variant, result in interleaved_time_per_call_us(calls, self._sync, self.options).items():
+                    record = records[(variant, mode)]
                     if isinstance(result, BaseException):
-                        records[(variant, mode)].error = short_error(result)
+                        record.error = short_error(result)
                         self._check_health(result)
-                    else:
-                        records[(variant, mode)].median_us = result
+                        continue
+                    record.median_us = result
+                    if variant in (*GRAPH_VARIANTS, "thunder+CUDAGraphTransform"):
+                        try:
+                            record.in_graphs_us = result * in_graphs_fraction(calls[variant], self._sync, self.options)
+                        except Exception as e:  # noqa: BLE001 - a diagnostic only
+                            record.note = "; ".join(filter(None, (record.note, f"in_graphs_us: {short_error(e)}")))
             finally:
                 for case in cases.values():
                     with contextlib.suppress(Exception):

@@ -145,7 +145,7 @@ def test_writers_show_ratios_to_both_references(tmp_path):
     assert eager["peak MiB"] == "3"
 
     md = paths["md"].read_text()
-    assert "| mlp16x256-b8 | inference | eager | 300.0 | 3.00 | 1.50 |" in md
+    assert "| mlp16x256-b8 | inference | eager | 300.0 | – | 3.00 | 1.50 |" in md
     assert "per copied input" in md
 
 
@@ -180,6 +180,8 @@ def test_measuring_code_on_the_cpu_with_the_emulated_backend():
             assert r.error is None and r.correct is True and r.median_us > 0 and r.setup_s is not None
         graphed = records[("mlp16x256-b8", mode, "thunder+cudagraphex")]
         assert "cudagraphex:" in graphed.note and "0 graph(s)" not in graphed.note
+        assert 0 < graphed.in_graphs_us < graphed.median_us  # the emulated replay runs the region's ops
+        assert records[("mlp16x256-b8", mode, "eager")].in_graphs_us is None
         if not torch.cuda.is_available():  # with CUDA present, capturing CPU work "succeeds" (with a warning)
             assert records[("mlp16x256-b8", mode, "manual-graph")].error  # needs CUDA: recorded, not raised
 
