@@ -432,7 +432,7 @@ class Suite:
                 self._prepared[workload.name] = prepare(workload, self.modes, self.device)
             except Exception as e:  # noqa: BLE001 - recorded for every task of this workload
                 self._prepared[workload.name] = e
-                self._check_health(e)
+                self._check_health(e, f"{workload.name}: building it")
             _free_memory(self.device)
         return self._prepared[workload.name]
 
@@ -508,7 +508,7 @@ class Suite:
                 notes.append(_cudagraphex_summary(compiled.fn))
         except Exception as e:  # noqa: BLE001 - recorded; the run goes on
             record.error = short_error(e)
-            self._check_health(e)
+            self._check_health(e, f"{record.workload} / {record.variant} / {record.mode}: setup")
         finally:
             if case is not None:
                 with contextlib.suppress(Exception):
@@ -536,13 +536,13 @@ class Suite:
                         cases[variant] = compiled.case(mode, prepared.setup.args(mode), prepared.grad_out)
                     except Exception as e:  # noqa: BLE001 - recorded; the others are timed
                         record.error = short_error(e)
-                        self._check_health(e)
+                        self._check_health(e, f"{workload.name} / {variant} / {mode}: making the case to time")
                 calls = {variant: case.call for variant, case in cases.items()}
                 for variant, result in interleaved_time_per_call_us(calls, self._sync, self.options).items():
                     record = records[(variant, mode)]
                     if isinstance(result, BaseException):
                         record.error = short_error(result)
-                        self._check_health(result)
+                        self._check_health(result, f"{workload.name} / {variant} / {mode}: timing")
                         continue
                     record.median_us = result
                     if variant in (*GRAPH_VARIANTS, "thunder+CUDAGraphTransform"):
@@ -550,6 +550,7 @@ class Suite:
                             record.in_graphs_us = result * in_graphs_fraction(calls[variant], self._sync, self.options)
                         except Exception as e:  # noqa: BLE001 - a diagnostic only
                             record.note = "; ".join(filter(None, (record.note, f"in_graphs_us: {short_error(e)}")))
+                            self._check_health(e, f"{workload.name} / {variant} / {mode}: timing its graph runners")
             finally:
                 for case in cases.values():
                     with contextlib.suppress(Exception):
@@ -560,9 +561,10 @@ class Suite:
         self.seconds_per_workload[workload.name] += took
         self.log(f"{workload.name}: interleaved timing of {len(built)} variant(s) in {took:.1f} s")
 
-    def _check_health(self, error: BaseException) -> None:
-        """After an error: if the CUDA context no longer works, every later task is skipped (their results would be
-        errors anyway), and the run still writes what it has."""
+    def _check_health(self, error: BaseException, where: str) -> None:
+        """After an error in ``where``: if the CUDA context no longer works, every later task is skipped (their
+        results would be errors anyway), and the run still writes what it has."""
+        self.log(f"{where}: {short_error(error)}")
         if self.device.type != "cuda":
             return
         try:
@@ -570,7 +572,7 @@ class Suite:
             torch.ones(1, device=self.device).add_(1).item()
         except Exception as e:  # noqa: BLE001 - any failure here means the context is unusable
             self.broken = short_error(e)
-            self.log(f"the CUDA context failed after: {short_error(error)}; skipping the rest of the run")
+            self.log(f"the CUDA context failed after {where}; skipping the rest of the run")
 
     def _run_micro(self) -> None:
         from benchmarks.micro import MICRO_WORKLOAD, run_micro
