@@ -178,52 +178,21 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
     progress = _Progress(suite.num_measurements())
     suite.progress, suite.log = progress.update, progress.write
     start = time.monotonic()
+
+    def write(records: Sequence[Any]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Path]]:
+        rows, meta = [r.to_dict() for r in records], _meta(args, suite, gpu, time.monotonic() - start)
+        if args.merge:
+            rows, meta = _merged(rows, meta, args.out)
+        return rows, meta, write_results(rows, meta, args.out, VARIANTS)
+
+    # A crash that takes the CUDA context down (it aborts the process) keeps the workloads written before it.
+    suite.checkpoint = write
     try:
         records = suite.run()
     finally:
         progress.close()
     elapsed = time.monotonic() - start
-    meta: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": gpu,
-        "device": str(suite.device),
-        "cuda": torch.version.cuda,
-        "versions": _versions(),
-        "options": {
-            "workloads": [w.name for w in suite.workloads],
-            "modes": list(args.modes),
-            "variants": list(suite.variants),
-            "micro": args.run_micro,
-            "reps": options.reps,
-            "quick": options.quick,
-            "budget_s": options.budget_s,
-            "warmup_calls": options.warmup_calls,
-            "rep_target_s": options.rep_target_s,
-        },
-        "seconds_per_workload": {k: round(v, 1) for k, v in suite.seconds_per_workload.items()},
-        "elapsed_s": round(elapsed, 1),
-        "host_breakdown": suite.host_breakdown,
-        "cuda_context_failed": suite.broken,
-        "definitions": {
-            "median_us": "median over repetitions of the wall time per call, CUDA-synchronized blocks of calls; "
-            "the variants of a workload and mode are timed interleaved, one block each per round",
-            "setup_s": "wall time of making the case and its first 3 calls (compilation, warm-up, capture); the "
-            "compiled object is reused across modes, in the order inference, train_fwd, train_bwd, train_step",
-            "peak_mem_bytes": "torch.cuda.max_memory_allocated over the mode's setup and 3 more calls, minus the "
-            "memory allocated before the variant built its model (includes what it keeps from earlier modes)",
-            "in_graphs_us": "graph variants: the part of median_us spent inside the graph runners' calls (input "
-            "copies, checks, graph launches), from one block of calls with the runners timed; the rest is Thunder's "
-            "prologue, autograd functions and eager ops around the graphs",
-            "peak_reserved_bytes": "the same for torch.cuda.max_memory_reserved (graph pools keep freed blocks there)",
-            "correct": "outputs (and gradients in training modes) within tolerance of eager: relative error "
-            "(Frobenius) <= 1e-3 in fp32, 5e-2 in bf16",
-            "kernel-floor": "GPU time (kernels, memcpy, memset) of the eager call from torch.profiler, per call",
-        },
-    }
-    rows = [r.to_dict() for r in records]
-    if args.merge:
-        rows, meta = _merged(rows, meta, args.out)
-    paths = write_results(rows, meta, args.out, VARIANTS)
+    rows, _, paths = write(records)
     print()
     print(markdown_table(rows, VARIANTS))
     if suite.host_breakdown:
@@ -245,6 +214,50 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
     written = ", ".join(p.name for p in paths.values())
     print(f"Total {elapsed:.0f} s. Results in {args.out}: {written}")
     return 0
+
+
+def _meta(args: argparse.Namespace, suite: Any, gpu: str, elapsed_s: float) -> dict[str, Any]:
+    import torch
+
+    options = suite.options
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "device": str(suite.device),
+        "cuda": torch.version.cuda,
+        "versions": _versions(),
+        "options": {
+            "workloads": [w.name for w in suite.workloads],
+            "modes": list(args.modes),
+            "variants": list(suite.variants),
+            "micro": args.run_micro,
+            "reps": options.reps,
+            "quick": options.quick,
+            "budget_s": options.budget_s,
+            "warmup_calls": options.warmup_calls,
+            "rep_target_s": options.rep_target_s,
+        },
+        "seconds_per_workload": {k: round(v, 1) for k, v in suite.seconds_per_workload.items()},
+        "elapsed_s": round(elapsed_s, 1),
+        "host_breakdown": suite.host_breakdown,
+        "cuda_context_failed": suite.broken,
+        "definitions": {
+            "median_us": "median over repetitions of the wall time per call, CUDA-synchronized blocks of calls; "
+            "the variants of a workload and mode are timed interleaved, one block each per round",
+            "setup_s": "wall time of making the case and its first 3 calls (compilation, warm-up, capture); the "
+            "compiled object is reused across modes, in the order inference, train_fwd, train_bwd, train_step "
+            "(thunder+CUDAGraphTransform compiles once per mode)",
+            "peak_mem_bytes": "torch.cuda.max_memory_allocated over the mode's setup and 3 more calls, minus the "
+            "memory allocated before the variant built its model (includes what it keeps from earlier modes)",
+            "in_graphs_us": "graph variants: the part of median_us spent inside the graph runners' calls (input "
+            "copies, checks, graph launches), from one block of calls with the runners timed; the rest is Thunder's "
+            "prologue, autograd functions and eager ops around the graphs",
+            "peak_reserved_bytes": "the same for torch.cuda.max_memory_reserved (graph pools keep freed blocks there)",
+            "correct": "outputs (and gradients in training modes) within tolerance of eager: relative error "
+            "(Frobenius) <= 1e-3 in fp32, 5e-2 in bf16",
+            "kernel-floor": "GPU time (kernels, memcpy, memset) of the eager call from torch.profiler, per call",
+        },
+    }
 
 
 def _merged(

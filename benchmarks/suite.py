@@ -312,7 +312,10 @@ class Suite:
         options: measurement options.
         micro: whether to run the host-overhead microbenchmark.
         progress: called with a short label after every finished (workload, variant, mode) or skipped one.
-        log: called with human-readable progress lines (elapsed time per task, skips).
+        log: called with human-readable progress lines (elapsed time per task, skips, errors).
+
+    ``checkpoint`` (an attribute, by default a no-op) is called with the records so far after the microbenchmark and
+    after each workload, for writing partial results.
     """
 
     def __init__(
@@ -342,6 +345,7 @@ class Suite:
         self.broken: str | None = None
         self._prepared: dict[str, Prepared | BaseException] = {}
         self.graph_executor = _graph_executor(self.device)
+        self.checkpoint: Callable[[list[Record]], object] = lambda records: None
 
     # -- what runs -------------------------------------------------------------------------------------------------
 
@@ -375,6 +379,7 @@ class Suite:
         for task, workload in self.tasks():
             if task == "micro":
                 self._run_micro()
+                self.checkpoint(self.records)
             elif task == "timing":
                 try:
                     self._time_interleaved(workload, built)
@@ -384,6 +389,7 @@ class Suite:
                     with contextlib.suppress(Exception):
                         torch._dynamo.reset()
                     _free_memory(self.device)
+                self.checkpoint(self.records)
             else:
                 compiled = self._run_task(workload, task)
                 if compiled is not None:

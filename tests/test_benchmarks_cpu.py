@@ -236,3 +236,32 @@ def test_interleaved_timing_rotates_the_order_and_keeps_going_after_an_error():
     blocks = [run[0] for run in "".join(order).split("|") if run]
     timed = blocks[4:]  # a and b calibrate first: warm-up calls, then one timed call each
     assert timed == ["a", "b", "b", "a", "a", "b"]  # round k starts k calls later; c left after failing
+
+
+def test_main_job_writes_results_after_each_workload(tmp_path, capsys):
+    """The GPU path of the main job, run on the CPU: partial results are on disk before the run ends."""
+    from benchmarks.__main__ import _run_gpu
+    from benchmarks.suite import Suite
+
+    written_before_the_end = []
+    original = Suite.run
+
+    def run_and_look(suite):
+        records = original(suite)
+        written_before_the_end.extend(p.name for p in tmp_path.iterdir())
+        return records
+
+    args = parse_args(
+        ["--workloads", "mlp16x256-b8", "--modes", "inference", "--variants", "eager,thunder+cudagraphex"]
+        + ["--quick", "--reps", "2", "--out", str(tmp_path)]
+    )
+    Suite.run = run_and_look
+    try:
+        assert _run_gpu(args, device=torch.device("cpu")) == 0
+    finally:
+        Suite.run = original
+    assert any(name.endswith(".json") for name in written_before_the_end)
+    data = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert {r["variant"] for r in data["records"]} == {"eager", "thunder+cudagraphex"}
+    assert data["meta"]["versions"]["cudagraphex_commit"]
+    assert "| mlp16x256-b8 | inference | thunder+cudagraphex |" in capsys.readouterr().out
