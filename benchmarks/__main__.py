@@ -242,11 +242,9 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, elapsed_s: float) -> d
         "host_breakdown": suite.host_breakdown,
         "cuda_context_failed": suite.broken,
         "definitions": {
-            "median_us": "median over repetitions of the wall time per call, CUDA-synchronized blocks of calls; "
-            "the variants of a workload and mode are timed interleaved, one block each per round",
+            "median_us": "median over repetitions of the wall time per call, CUDA-synchronized blocks of calls",
             "setup_s": "wall time of making the case and its first 3 calls (compilation, warm-up, capture); the "
-            "compiled object is reused across modes, in the order inference, train_fwd, train_bwd, train_step "
-            "(thunder+CUDAGraphTransform compiles once per mode)",
+            "compiled object is reused across modes, in the order inference, train_fwd, train_bwd, train_step",
             "peak_mem_bytes": "torch.cuda.max_memory_allocated over the mode's setup and 3 more calls, minus the "
             "memory allocated before the variant built its model (includes what it keeps from earlier modes)",
             "in_graphs_us": "graph variants: the part of median_us spent inside the graph runners' calls (input "

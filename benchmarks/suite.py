@@ -1,26 +1,27 @@
 """The GPU run: every (workload, variant, mode), each checked against eager and then timed.
 
-Workloads run one after another; everything built for one is freed before the next. For one workload:
+Workloads run one after another; everything built for one is freed before the next. Within a workload, variants run
+in the order of ``TASK_ORDER`` (so that a time budget that runs out drops the least important ones; each skipped task is
+recorded with its reason), so all variants of a workload are measured within a few minutes of each other. For one
+variant, mode after mode:
 
-1. Per variant, in the order of ``TASK_ORDER`` (so that a time budget that runs out drops the least important ones;
-   each skipped task is recorded with its reason), and per mode:
+* ``setup_s``: wall time from making the case through its first 3 calls (compilation, warm-up, graph capture; a
+  compiled object is reused across modes, so the modes after the first pay less of it).
+* ``correct``: one more call, compared with eager's results (outputs; gradients in training modes). Relative error
+  (norm of the difference / norm of eager's) at most 1e-3 in fp32, 5e-2 in bf16 or fp16.
+* ``peak_mem_bytes`` / ``peak_reserved_bytes``: the peak of ``torch.cuda.max_memory_allocated`` /
+  ``max_memory_reserved`` over the setup and a few more calls, minus what was allocated / reserved before the variant
+  built its model: the model, its gradients, activations, workspaces and graph pools (and what the compiled object
+  keeps from the modes measured before), and nothing of the other variants.
+* ``median_us``: warm-up calls, then ``reps`` repetitions of a block of calls long enough to last ``rep_target_s``,
+  each block between two ``torch.cuda.synchronize``; the median over blocks of the time per call.
+* ``in_graphs_us`` (graph variants): the part of that time spent inside the graph runners' calls
+  (:func:`in_graphs_fraction`); the rest is Thunder around them.
 
-   * ``setup_s``: wall time from making the case through its first 3 calls (compilation, warm-up, graph capture;
-     a compiled object is reused across modes, so the modes after the first pay less of it).
-   * ``correct``: one more call, compared with eager's results (outputs; gradients in training modes). Relative error
-     (norm of the difference / norm of eager's) at most 1e-3 in fp32, 5e-2 in bf16 or fp16.
-   * ``peak_mem_bytes`` / ``peak_reserved_bytes``: the peak of ``torch.cuda.max_memory_allocated`` /
-     ``max_memory_reserved`` over the setup and a few more calls, minus what was allocated / reserved before the
-     variant built its model: the model, its gradients, activations, workspaces and graph pools (and what the
-     compiled object keeps from the modes measured before), and nothing of the other variants.
-
-   The case is then closed; the compiled object is kept for step 2.
-2. Per mode, ``median_us``, with the variants interleaved: every variant's case is made again and warmed up, then
-   ``reps`` rounds each time one block of calls per variant (blocks long enough to last ``rep_target_s``, between two
-   ``torch.cuda.synchronize``), in a rotating order. A variant's time is the median over rounds of the time per call.
-   This VM's speed drifts by tens of percent over minutes; interleaving exposes all variants to the same drift, so the
-   ratios within a workload and mode are what to compare. For the graph variants, ``in_graphs_us`` is the part of
-   that time spent inside the graph runners' calls (:func:`in_graphs_fraction`); the rest is Thunder around them.
+Why variants are not timed interleaved, although this VM's speed drifts: interleaving replays graphs captured before
+another variant ran, and ``torch.compile(mode="reduce-overhead")`` frees cuBLAS's workspaces when it records (see
+``torch._inductor.cudagraph_trees.clear_cublass_cache``). Graphs captured earlier still use the freed workspace, and
+replaying them made "illegal memory access" errors (docs in ``benchmarks/NOTES.md``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import gc
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -55,7 +56,6 @@ __all__ = [
     "compare",
     "emulated_executor",
     "in_graphs_fraction",
-    "interleaved_time_per_call_us",
     "prepare",
     "time_per_call_us",
 ]
@@ -170,36 +170,6 @@ def time_per_call_us(call: Callable[[], None], sync: Callable[[], None], options
     """The median over ``options.reps`` synchronized blocks of calls of the wall time per call, in microseconds."""
     iters = _iters_per_block(call, sync, options)
     return statistics.median(_block_us(call, iters, sync) for _ in range(max(1, options.reps)))
-
-
-def interleaved_time_per_call_us(
-    calls: Mapping[str, Callable[[], None]], sync: Callable[[], None], options: Options
-) -> dict[str, float | BaseException]:
-    """:func:`time_per_call_us` for several calls at once, their blocks interleaved: ``options.reps`` rounds, each
-    timing one block of every call, starting one call later each round. A call that raises gets its exception
-    instead of a time and leaves the later rounds."""
-    iters: dict[str, int] = {}
-    results: dict[str, float | BaseException] = {}
-    for name, call in calls.items():
-        try:
-            iters[name] = _iters_per_block(call, sync, options)
-        except Exception as e:  # noqa: BLE001 - reported per call
-            results[name] = e
-    samples: dict[str, list[float]] = {name: [] for name in iters}
-    names = list(iters)
-    for round_ in range(max(1, options.reps)):
-        for k in range(len(names)):
-            name = names[(round_ + k) % len(names)]
-            if name in results:
-                continue
-            try:
-                samples[name].append(_block_us(calls[name], iters[name], sync))
-            except Exception as e:  # noqa: BLE001 - reported per call
-                results[name] = e
-    for name, values in samples.items():
-        if name not in results:
-            results[name] = statistics.median(values)
-    return results
 
 
 def in_graphs_fraction(call: Callable[[], None], sync: Callable[[], None], options: Options) -> float:
@@ -359,8 +329,8 @@ class Suite:
         return per_variant * len(self.variants) + micro
 
     def tasks(self) -> Iterable[tuple[str, Workload | None]]:
-        """What runs, in order: ``("micro", None)``, then per workload its variants in ``TASK_ORDER``, each followed
-        by the workload's interleaved timing, ``("timing", workload)``."""
+        """What runs, in order: ``("micro", None)``, then per workload its variants in ``TASK_ORDER``, each followed by
+        ``("done", workload)``, where what the workload built is freed."""
         if self.micro:
             yield "micro", None
         for workload in self.workloads:
@@ -370,30 +340,23 @@ class Suite:
                 for variant in tier:
                     if variant in self.variants:
                         yield variant, workload
-            yield "timing", workload
+            yield "done", workload
 
     # -- the run -------------------------------------------------------------------------------------------------------
 
     def run(self) -> list[Record]:
-        built: dict[str, Compiled | ManualGraph] = {}
         for task, workload in self.tasks():
             if task == "micro":
                 self._run_micro()
-                self.checkpoint(self.records)
-            elif task == "timing":
-                try:
-                    self._time_interleaved(workload, built)
-                finally:
-                    built.clear()
-                    self._prepared.clear()
-                    with contextlib.suppress(Exception):
-                        torch._dynamo.reset()
-                    _free_memory(self.device)
-                self.checkpoint(self.records)
+            elif task == "done":
+                self._prepared.clear()
+                with contextlib.suppress(Exception):
+                    torch._dynamo.reset()
+                _free_memory(self.device)
             else:
-                compiled = self._run_task(workload, task)
-                if compiled is not None:
-                    built[task] = compiled
+                self._run_task(workload, task)
+                continue
+            self.checkpoint(self.records)
         return self.records
 
     def _sync(self) -> None:
@@ -405,31 +368,28 @@ class Suite:
             self.records.append(Record(workload.name, mode, variant, error=reason))
             self.progress(f"{workload.name} {variant} {mode}")
 
-    def _run_task(self, workload: Workload, variant: str) -> Compiled | ManualGraph | None:
-        """Sets up, checks and measures the memory of ``variant`` in every mode; returns the compiled object if some
-        mode is left to time."""
+    def _run_task(self, workload: Workload, variant: str) -> None:
+        """Measures ``variant`` on ``workload`` in every mode (the module docstring)."""
         modes = self.modes_of(workload)
         if self.broken:
             self._skip(workload, variant, modes, f"skipped: the CUDA context failed earlier ({self.broken})")
-            return None
+            return
         expected_s = _WORKLOAD_COST_S.get(workload.name, 10) * _VARIANT_COST.get(variant, 1.0)
         if not self.budget.fits(expected_s):
             reason = f"skipped: over the time budget (--budget-s {self.options.budget_s:g})"
             self._skip(workload, variant, modes, reason)
             self.log(f"{workload.name} / {variant}: {reason}")
-            return None
+            return
         start = time.monotonic()
-        compiled = None
         prepared = self._prepare(workload)
         if isinstance(prepared, BaseException):
             self._skip(workload, variant, modes, f"building the workload failed: {short_error(prepared)}")
         else:
-            compiled = self._run_variant(workload, variant, prepared)
+            self._run_variant(workload, variant, prepared)
         took = time.monotonic() - start
         self.budget.spent(expected_s, took)
         self.seconds_per_workload[workload.name] += took
         self.log(f"{workload.name} / {variant}: {len(modes)} mode(s) in {took:.1f} s")
-        return compiled
 
     def _prepare(self, workload: Workload) -> Prepared | BaseException:
         """The workload's :class:`Prepared`, built on first use; an exception if building it failed."""
@@ -442,7 +402,7 @@ class Suite:
             _free_memory(self.device)
         return self._prepared[workload.name]
 
-    def _run_variant(self, workload: Workload, variant: str, prepared: Prepared) -> Compiled | ManualGraph | None:
+    def _run_variant(self, workload: Workload, variant: str, prepared: Prepared) -> None:
         setup = prepared.setup
         compiled: Compiled | ManualGraph | None = None
         base = _MemoryBase.now(self.device)
@@ -456,8 +416,7 @@ class Suite:
                 compiled = compile_variant(variant, setup.fresh_model(), self.graph_executor)
         except Exception as e:  # noqa: BLE001 - recorded; the run goes on
             self._skip(workload, variant, prepared.modes, short_error(e))
-            return None
-        to_time = False
+            return
         for mode in prepared.modes:
             record = Record(workload.name, mode, variant)
             if self.broken or self.budget.overrun():
@@ -466,14 +425,13 @@ class Suite:
                 )
             else:
                 self._measure(record, compiled, prepared, base)
-            to_time |= record.error is None and variant != "kernel-floor"
             self.records.append(record)
             self.progress(f"{workload.name} {variant} {mode}")
+        del compiled
         _free_memory(self.device)
-        return compiled if to_time else None
 
     def _measure(self, record: Record, compiled: Compiled | ManualGraph, prepared: Prepared, base: _MemoryBase) -> None:
-        """Step 1 of the module docstring for one mode (kernel-floor: its GPU time instead)."""
+        """The measurements of the module docstring for one mode (kernel-floor: its GPU time instead)."""
         mode, setup = record.mode, prepared.setup
         case: Case | None = None
         notes: list[str] = []
@@ -508,64 +466,23 @@ class Suite:
                 self._sync()
                 record.peak_mem_bytes = torch.cuda.max_memory_allocated(self.device) - base.allocated
                 record.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device) - base.reserved
+            if record.variant != "kernel-floor":
+                record.median_us = time_per_call_us(case.call, self._sync, self.options)
+            if record.variant in (*GRAPH_VARIANTS, "thunder+CUDAGraphTransform"):
+                record.in_graphs_us = record.median_us * in_graphs_fraction(case.call, self._sync, self.options)
             if record.variant == "torch.compile(reduce-overhead)" and _cudagraph_skips() > skips_before:
                 notes.append("inductor skipped CUDA graphs for some graph (torch._dynamo counters: cudagraph_skips)")
             if record.variant in GRAPH_VARIANTS:
                 notes.append(_cudagraphex_summary(compiled.fn))
         except Exception as e:  # noqa: BLE001 - recorded; the run goes on
             record.error = short_error(e)
-            self._check_health(e, f"{record.workload} / {record.variant} / {record.mode}: setup")
+            self._check_health(e, f"{record.workload} / {record.variant} / {record.mode}")
         finally:
             if case is not None:
                 with contextlib.suppress(Exception):
                     case.close()
             del case
         record.note = "; ".join(n for n in notes if n) or None
-
-    def _time_interleaved(self, workload: Workload, built: Mapping[str, Compiled | ManualGraph]) -> None:
-        """Step 2 of the module docstring: the median time per call of every variant in ``built``, mode by mode."""
-        prepared = self._prepared.get(workload.name)
-        if not built or not isinstance(prepared, Prepared):
-            return
-        start = time.monotonic()
-        records = {(r.variant, r.mode): r for r in self.records if r.workload == workload.name}
-        for mode in prepared.modes:
-            if self.broken:
-                break
-            cases: dict[str, Case] = {}
-            try:
-                for variant, compiled in built.items():
-                    record = records[(variant, mode)]
-                    if record.error is not None:
-                        continue
-                    try:
-                        cases[variant] = compiled.case(mode, prepared.setup.args(mode), prepared.grad_out)
-                    except Exception as e:  # noqa: BLE001 - recorded; the others are timed
-                        record.error = short_error(e)
-                        self._check_health(e, f"{workload.name} / {variant} / {mode}: making the case to time")
-                calls = {variant: case.call for variant, case in cases.items()}
-                for variant, result in interleaved_time_per_call_us(calls, self._sync, self.options).items():
-                    record = records[(variant, mode)]
-                    if isinstance(result, BaseException):
-                        record.error = short_error(result)
-                        self._check_health(result, f"{workload.name} / {variant} / {mode}: timing")
-                        continue
-                    record.median_us = result
-                    if variant in (*GRAPH_VARIANTS, "thunder+CUDAGraphTransform"):
-                        try:
-                            record.in_graphs_us = result * in_graphs_fraction(calls[variant], self._sync, self.options)
-                        except Exception as e:  # noqa: BLE001 - a diagnostic only
-                            record.note = "; ".join(filter(None, (record.note, f"in_graphs_us: {short_error(e)}")))
-                            self._check_health(e, f"{workload.name} / {variant} / {mode}: timing its graph runners")
-            finally:
-                for case in cases.values():
-                    with contextlib.suppress(Exception):
-                        case.close()
-                cases.clear()
-                _free_memory(self.device)
-        took = time.monotonic() - start
-        self.seconds_per_workload[workload.name] += took
-        self.log(f"{workload.name}: interleaved timing of {len(built)} variant(s) in {took:.1f} s")
 
     def _check_health(self, error: BaseException, where: str) -> None:
         """After an error in ``where``: if the CUDA context no longer works, every later task is skipped (their

@@ -42,7 +42,7 @@ __all__ = [
     "VARIANTS",
     "Case",
     "Compiled",
-    "CompiledPerMode",
+    "CompiledPerPhase",
     "ManualGraph",
     "compile_variant",
     "device_time_per_call_us",
@@ -179,30 +179,25 @@ class Compiled:
         return module_case(self.fn, self.module, mode, args, grad_out, self.before_call)
 
 
-class CompiledPerMode(Compiled):
-    """A variant whose compiled object cannot serve several modes: one is made per mode, lazily.
+class CompiledPerPhase(Compiled):
+    """A variant whose compiled object cannot serve both inference and training: one is made per phase, lazily.
 
-    Thunder's ``CUDAGraphTransform`` (0.2.6) cannot run another mode after some modes on one jitted model:
-
-    * once it has compiled the inference trace, compiling the training trace fails ("called on augmented forward
-      twice without backward in between");
-    * a ``train_bwd`` case (one forward, then ``torch.autograd.grad`` calls) made on a jitted model that had already
-      run the ``train_fwd``, ``train_bwd`` and ``train_step`` cases made an "illegal memory access" in the
-      transform's replay on the H200 (2026-12-02, ``CUDA_LAUNCH_BLOCKING=1``), which ends the process's CUDA
-      context. Run in that order once, the same cases are fine.
-
-    Each mode therefore gets its own ``thunder.jit``; the training modes pay the compilation again.
+    Thunder's ``CUDAGraphTransform`` (0.2.6) takes every optimized computation trace for an augmented forward, the
+    no-grad one included, and then expects a backward trace before the next forward: once a jitted model has compiled
+    its inference trace, compiling its training trace fails ("called on augmented forward twice without backward in
+    between"). Thunder compiles inference and training traces separately anyway, so this costs no extra compilation.
     """
 
     def __init__(self, module: nn.Module, make: Callable[[nn.Module], Callable]) -> None:
         super().__init__(module, None)
         self._make = make
-        self._by_mode: dict[str, Callable] = {}
+        self._by_phase: dict[str, Callable] = {}
 
     def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
-        if mode not in self._by_mode:
-            self._by_mode[mode] = self._make(self.module)
-        self.fn = self._by_mode[mode]
+        phase = "inference" if mode == "inference" else "training"
+        if phase not in self._by_phase:
+            self._by_phase[phase] = self._make(self.module)
+        self.fn = self._by_phase[phase]
         return super().case(mode, args, grad_out)
 
 
@@ -222,7 +217,7 @@ def compile_variant(name: str, module: nn.Module, graph_executor) -> Compiled:
     if name == "thunder+CUDAGraphTransform":
         from thunder.transforms.cudagraph import CUDAGraphTransform
 
-        return CompiledPerMode(module, lambda m: thunder.jit(m, transforms=[CUDAGraphTransform()]))
+        return CompiledPerPhase(module, lambda m: thunder.jit(m, transforms=[CUDAGraphTransform()]))
     if name == "thunder+cudagraphex":
         return Compiled(module, thunder.jit(module, executors=[graph_executor, *defaults]))
     if name == "thunder+cudagraphex(last)":

@@ -209,35 +209,6 @@ def test_merge_keeps_older_records_that_a_run_does_not_redo(tmp_path):
     assert "merged_with" in meta
 
 
-def test_interleaved_timing_rotates_the_order_and_keeps_going_after_an_error():
-    from benchmarks.suite import Options, interleaved_time_per_call_us
-
-    order: list[str] = []
-    failing = {"calls": 0}
-
-    def make(name: str):
-        def call() -> None:
-            order.append(name)
-
-        return call
-
-    def flaky() -> None:
-        failing["calls"] += 1
-        if failing["calls"] > Options(quick=True).warmup_calls + 1:  # fails in its first timed block
-            raise RuntimeError("boom")
-
-    options = Options(reps=3, quick=True)
-    results = interleaved_time_per_call_us(
-        {"a": make("a"), "b": make("b"), "c": flaky}, lambda: order.append("|"), options
-    )
-    assert isinstance(results["c"], RuntimeError)
-    assert results["a"] > 0 and results["b"] > 0
-    # sync() runs before and after every block: the blocks are the runs of calls between two markers.
-    blocks = [run[0] for run in "".join(order).split("|") if run]
-    timed = blocks[4:]  # a and b calibrate first: warm-up calls, then one timed call each
-    assert timed == ["a", "b", "b", "a", "a", "b"]  # round k starts k calls later; c left after failing
-
-
 def test_main_job_writes_results_after_each_workload(tmp_path, capsys):
     """The GPU path of the main job, run on the CPU: partial results are on disk before the run ends."""
     from benchmarks.__main__ import _run_gpu
