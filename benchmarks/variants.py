@@ -276,6 +276,9 @@ class ManualGraph:
         module = self.fresh_model()
         params = _params(module)
         static_args = [a.clone() for a in args]
+        # A graph holds addresses, not tensors: the case keeps the module (parameters), the input buffers and the
+        # forward's autograd graph (its saved tensors) alive until it is closed.
+        kept: list[object] = [module, static_args]
 
         def copy_inputs() -> None:
             for static, a in zip(static_args, args, strict=True):
@@ -292,7 +295,7 @@ class ManualGraph:
                 replay()
                 return [_copy(out)]
 
-            return Case(replay, collect)
+            return Case(replay, collect, kept.clear)
 
         if mode == "train_fwd":
             graphed = torch.cuda.make_graphed_callables(module, tuple(static_args))
@@ -300,7 +303,7 @@ class ManualGraph:
             def call() -> None:
                 graphed(*args)
 
-            return Case(call, lambda: [_copy(graphed(*args))])
+            return Case(call, lambda: [_copy(graphed(*args))], kept.clear)
 
         if mode == "train_bwd":
             # Autograd runs a backward op on the stream of its forward op: the forward runs (once, eagerly) on the
@@ -314,12 +317,13 @@ class ManualGraph:
                 return torch.autograd.grad(out, params, grad_out, retain_graph=True, allow_unused=True)
 
             graph, static_grads = _capture(grads, no_grad=False, stream=stream)
+            kept.append(out)
 
             def collect_grads() -> list[torch.Tensor | None]:
                 graph.replay()
                 return [_copy(g) for g in static_grads]
 
-            return Case(graph.replay, collect_grads)
+            return Case(graph.replay, collect_grads, kept.clear)
 
         if mode == "train_step":
 
@@ -341,7 +345,7 @@ class ManualGraph:
                 step()
                 return [_copy(out), *(_copy(p.grad) for p in params)]
 
-            return Case(step, collect_step)
+            return Case(step, collect_step, kept.clear)
 
         raise ValueError(f"unknown mode {mode!r}")
 
