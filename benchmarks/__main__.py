@@ -101,10 +101,12 @@ def _versions() -> dict[str, str]:
 
 
 def _commit() -> str:
-    """The git commit of the code measured: ``git rev-parse HEAD`` of this checkout, or, for a copy of the tree
-    without ``.git`` (the GPU machine's), the environment variable ``CUDAGRAPHEX_COMMIT``; else "unknown"."""
+    """The git commit of the code measured: the environment variable ``CUDAGRAPHEX_COMMIT`` when set (a copy of the
+    tree, as on the GPU machine, may carry a stale ``.git``), else ``git rev-parse HEAD`` here, else "unknown"."""
     import subprocess
 
+    if os.environ.get("CUDAGRAPHEX_COMMIT"):
+        return os.environ["CUDAGRAPHEX_COMMIT"]
     try:
         done = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -115,10 +117,8 @@ def _commit() -> str:
             timeout=10,
         )
     except (OSError, subprocess.SubprocessError):
-        done = None
-    if done is not None and done.returncode == 0:
-        return done.stdout.strip()
-    return os.environ.get("CUDAGRAPHEX_COMMIT", "unknown")
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
 class _Progress:
@@ -179,8 +179,10 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
     suite.progress, suite.log = progress.update, progress.write
     start = time.monotonic()
 
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
     def write(records: Sequence[Any]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Path]]:
-        rows, meta = [r.to_dict() for r in records], _meta(args, suite, gpu, time.monotonic() - start)
+        rows, meta = [r.to_dict() for r in records], _meta(args, suite, gpu, started, time.monotonic() - start)
         if args.merge:
             rows, meta = _merged(rows, meta, args.out)
         return rows, meta, write_results(rows, meta, args.out, VARIANTS)
@@ -216,16 +218,16 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
     return 0
 
 
-def _meta(args: argparse.Namespace, suite: Any, gpu: str, elapsed_s: float) -> dict[str, Any]:
+def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_s: float) -> dict[str, Any]:
+    """The results file's ``meta``: the machine, the definitions, and ``runs``, one entry per invocation whose records
+    the file holds (this one; ``--merge`` adds the earlier ones)."""
     import torch
 
     options = suite.options
-    return {
-        "date": datetime.date.today().isoformat(),
-        "gpu": gpu,
-        "device": str(suite.device),
-        "cuda": torch.version.cuda,
-        "versions": _versions(),
+    versions = _versions()
+    run = {
+        "started": started,
+        "cudagraphex_commit": versions.pop("cudagraphex_commit"),
         "options": {
             "workloads": [w.name for w in suite.workloads],
             "modes": list(args.modes),
@@ -239,8 +241,16 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, elapsed_s: float) -> d
         },
         "seconds_per_workload": {k: round(v, 1) for k, v in suite.seconds_per_workload.items()},
         "elapsed_s": round(elapsed_s, 1),
-        "host_breakdown": suite.host_breakdown,
         "cuda_context_failed": suite.broken,
+    }
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "device": str(suite.device),
+        "cuda": torch.version.cuda,
+        "versions": versions,
+        "runs": [run],
+        "host_breakdown": suite.host_breakdown,
         "definitions": {
             "median_us": "median over repetitions of the wall time per call, CUDA-synchronized blocks of calls",
             "setup_s": "wall time of making the case and its first 3 calls (compilation, warm-up, capture); the "
@@ -280,7 +290,9 @@ def _merged(
     # A record skipped in this run does not replace an older one.
     fresh = [r for r in rows if key(r) in redone or key(r) not in kept_keys]
     merged_meta = dict(meta)
-    merged_meta["merged_with"] = {k: old.get("meta", {}).get(k) for k in ("elapsed_s", "options")}
+    this_run = meta["runs"][-1]["started"]
+    earlier = [r for r in old.get("meta", {}).get("runs", []) if r.get("started") != this_run]
+    merged_meta["runs"] = earlier + meta["runs"]
     if not merged_meta.get("host_breakdown"):
         merged_meta["host_breakdown"] = old.get("meta", {}).get("host_breakdown")
     return kept + fresh, merged_meta

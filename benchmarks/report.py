@@ -146,6 +146,7 @@ def write_chart(records: Sequence[Mapping[str, Any]], path: Path, variants: Sequ
 
     Uses matplotlib's Agg canvas directly, so it never touches the global backend.
     """
+    import matplotlib
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
@@ -160,6 +161,7 @@ def write_chart(records: Sequence[Mapping[str, Any]], path: Path, variants: Sequ
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(REFERENCES), 1, squeeze=False)[:, 0]
     width = 0.8 / max(1, len(names))
+    palette = matplotlib.colormaps["tab20"]
     for ax, (reference, title) in zip(axes, REFERENCES.items(), strict=True):
         plotted = False
         for i, name in enumerate(names):
@@ -172,7 +174,8 @@ def write_chart(records: Sequence[Mapping[str, Any]], path: Path, variants: Sequ
                             xs.append(g - 0.4 + (i + 0.5) * width)
                             ys.append(value)
             if ys:
-                ax.bar(xs, ys, width=width, label=name)
+                # One colour per variant, the same in both panels.
+                ax.bar(xs, ys, width=width, label=name, color=palette(i % palette.N))
                 plotted = True
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_yscale("log")
@@ -195,6 +198,23 @@ def _markdown_document(records: Sequence[Mapping[str, Any]], meta: Mapping[str, 
     versions = meta.get("versions", {})
     if versions:
         lines += [", ".join(f"{k} {v}" for k, v in versions.items()), ""]
+    runs = meta.get("runs", [])
+    if runs:
+        lines.append("Runs whose records this file holds (a workload's rows come from one run):")
+        lines.append("")
+        for run in runs:
+            options = run.get("options", {})
+            text = (
+                f"- {run.get('started', '?')}, code {str(run.get('cudagraphex_commit', '?'))[:12]}: "
+                f"{', '.join(options.get('workloads', [])) or 'no workloads'}"
+                f"{' and the microbenchmark' if options.get('micro') else ''}; modes {', '.join(options.get('modes', []))}"
+                f"; {len(options.get('variants', []))} variant(s); budget {options.get('budget_s', '?')} s, took "
+                f"{run.get('elapsed_s', '?')} s"
+            )
+            if run.get("cuda_context_failed"):
+                text += f"; the CUDA context failed: {run['cuda_context_failed']}"
+            lines.append(text)
+        lines.append("")
     lines += [markdown_table(records, variants), ""]
     breakdown = meta.get("host_breakdown")
     if breakdown:

@@ -196,17 +196,20 @@ def test_merge_keeps_older_records_that_a_run_does_not_redo(tmp_path):
     from benchmarks.__main__ import _merged
 
     older = _fake_records()
-    write_results(older, _META, tmp_path)
+    write_results(older, dict(_META, runs=[{"started": "earlier"}]), tmp_path)
     redo = dict(older[0], median_us=999.0)  # eager inference, measured again
     skipped = dict(older[1], median_us=None, error="skipped: over the time budget")  # manual-graph, not redone
     new = dict(older[0], variant="thunder", median_us=250.0)
-    rows, meta = _merged([redo, skipped, new], dict(_META), tmp_path)
+    rows, meta = _merged([redo, skipped, new], dict(_META, runs=[{"started": "now"}]), tmp_path)
     by_key = {(r["mode"], r["variant"]): r for r in rows}
     assert len(rows) == len(older) + 1
     assert by_key[("inference", "eager")]["median_us"] == 999.0
     assert by_key[("inference", "manual-graph")]["median_us"] == 100.0
     assert by_key[("inference", "thunder")]["median_us"] == 250.0
-    assert "merged_with" in meta
+    assert [run["started"] for run in meta["runs"]] == ["earlier", "now"]
+    write_results(rows, meta, tmp_path)  # a checkpoint of the run started "now", written again later
+    _, meta = _merged(rows, dict(_META, runs=[{"started": "now"}]), tmp_path)
+    assert [run["started"] for run in meta["runs"]] == ["earlier", "now"]
 
 
 def test_main_job_writes_results_after_each_workload(tmp_path, capsys):
@@ -234,5 +237,5 @@ def test_main_job_writes_results_after_each_workload(tmp_path, capsys):
     assert any(name.endswith(".json") for name in written_before_the_end)
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert {r["variant"] for r in data["records"]} == {"eager", "thunder+cudagraphex"}
-    assert data["meta"]["versions"]["cudagraphex_commit"]
+    assert data["meta"]["runs"][0]["cudagraphex_commit"]
     assert "| mlp16x256-b8 | inference | thunder+cudagraphex |" in capsys.readouterr().out
