@@ -178,7 +178,6 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
     progress = _Progress(suite.num_measurements())
     suite.progress, suite.log = progress.update, progress.write
     start = time.monotonic()
-
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
     def write(records: Sequence[Any]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Path]]:

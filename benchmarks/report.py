@@ -200,7 +200,7 @@ def _markdown_document(records: Sequence[Mapping[str, Any]], meta: Mapping[str, 
         lines += [", ".join(f"{k} {v}" for k, v in versions.items()), ""]
     runs = meta.get("runs", [])
     if runs:
-        lines.append("Runs whose records this file holds (a workload's rows come from one run):")
+        lines.append("Runs whose records this file holds:")
         lines.append("")
         for run in runs:
             options = run.get("options", {})

@@ -19,9 +19,10 @@ variant, mode after mode:
   (:func:`in_graphs_fraction`); the rest is Thunder around them.
 
 Why variants are not timed interleaved, although this VM's speed drifts: interleaving replays graphs captured before
-another variant ran, and ``torch.compile(mode="reduce-overhead")`` frees cuBLAS's workspaces when it records (see
-``torch._inductor.cudagraph_trees.clear_cublass_cache``). Graphs captured earlier still use the freed workspace, and
-replaying them made "illegal memory access" errors (docs in ``benchmarks/NOTES.md``).
+another variant ran, and ``torch.compile(mode="reduce-overhead")`` frees cuBLAS's workspaces when it warms up or
+records (``torch._inductor.cudagraph_trees.clear_cublas_manager``), which graphs captured earlier still use. Twice on
+the H200, interleaved timing ended in "illegal memory access" errors; that is the likeliest cause (details in
+``benchmarks/NOTES.md``).
 """
 
 from __future__ import annotations
@@ -348,15 +349,15 @@ class Suite:
         for task, workload in self.tasks():
             if task == "micro":
                 self._run_micro()
+                self.checkpoint(self.records)
             elif task == "done":
                 self._prepared.clear()
                 with contextlib.suppress(Exception):
                     torch._dynamo.reset()
                 _free_memory(self.device)
+                self.checkpoint(self.records)
             else:
                 self._run_task(workload, task)
-                continue
-            self.checkpoint(self.records)
         return self.records
 
     def _sync(self) -> None:

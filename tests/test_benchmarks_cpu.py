@@ -212,7 +212,7 @@ def test_merge_keeps_older_records_that_a_run_does_not_redo(tmp_path):
     assert [run["started"] for run in meta["runs"]] == ["earlier", "now"]
 
 
-def test_main_job_writes_results_after_each_workload(tmp_path, capsys):
+def test_main_job_writes_results_after_each_workload(tmp_path, capsys, monkeypatch):
     """The GPU path of the main job, run on the CPU: partial results are on disk before the run ends."""
     from benchmarks.__main__ import _run_gpu
     from benchmarks.suite import Suite
@@ -229,11 +229,8 @@ def test_main_job_writes_results_after_each_workload(tmp_path, capsys):
         ["--workloads", "mlp16x256-b8", "--modes", "inference", "--variants", "eager,thunder+cudagraphex"]
         + ["--quick", "--reps", "2", "--out", str(tmp_path)]
     )
-    Suite.run = run_and_look
-    try:
-        assert _run_gpu(args, device=torch.device("cpu")) == 0
-    finally:
-        Suite.run = original
+    monkeypatch.setattr(Suite, "run", run_and_look)
+    assert _run_gpu(args, device=torch.device("cpu")) == 0
     assert any(name.endswith(".json") for name in written_before_the_end)
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert {r["variant"] for r in data["records"]} == {"eager", "thunder+cudagraphex"}
