@@ -236,3 +236,12 @@ def test_main_job_writes_results_after_each_workload(tmp_path, capsys, monkeypat
     assert {r["variant"] for r in data["records"]} == {"eager", "thunder+cudagraphex"}
     assert data["meta"]["runs"][0]["cudagraphex_commit"]
     assert "| mlp16x256-b8 | inference | thunder+cudagraphex |" in capsys.readouterr().out
+
+
+def test_the_commit_measured_comes_from_the_environment_first(monkeypatch):
+    from benchmarks.__main__ import _commit
+
+    monkeypatch.setenv("CUDAGRAPHEX_COMMIT", "0123abc")
+    assert _commit() == "0123abc"  # a copied tree's .git may be stale
+    monkeypatch.delenv("CUDAGRAPHEX_COMMIT")
+    assert _commit() != "0123abc"
