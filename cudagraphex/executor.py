@@ -58,6 +58,8 @@ class _Fusion:
     declared_static: frozenset[str]
     inner: tuple[Executor, ...]
     regions: list[GraphedRegion]
+    #: The fusions before this one in its trace: a rebuilt fusion's inputs may be their rebuilt outputs.
+    earlier: tuple[str, ...] = ()
 
 
 class CUDAGraphExecutor(FusionExecutor):
@@ -170,6 +172,7 @@ class CUDAGraphExecutor(FusionExecutor):
 
         graph_outputs = set(earlier_outputs)
         bsyms: list[BoundSymbol] = []
+        earlier: list[str] = []
         for item in plan.sequence:
             if isinstance(item, RegionSpec):
                 fusion = _Fusion(
@@ -179,10 +182,12 @@ class CUDAGraphExecutor(FusionExecutor):
                     frozenset(declared),
                     inner,
                     regions,
+                    tuple(earlier),
                 )
                 name = f"{_FUSION_PREFIX}{graphs.next_fusion_id()}"
                 bsyms.append(self._build(name, fusion, graphs))
                 graph_outputs.update(p.name for p in item.outputs)
+                earlier.append(name)
             else:
                 bsyms.append(item)
         if TraceTag.AUGMENTED_FORWARD in trace.tags:
@@ -228,7 +233,10 @@ class CUDAGraphExecutor(FusionExecutor):
             mutated_trace_inputs=spec.mutated_trace_inputs & mutated,
             written=written,
         )
-        return self._build(name, dataclasses.replace(fusion, spec=new_spec), graphs)
+        # Rematerialization changes which forward outputs the backward reads; those stay graph outputs, not copies.
+        rebuilt_outputs = {p.name for n in fusion.earlier for p in graphs.fusions[n].spec.outputs}
+        graph_outputs = fusion.graph_outputs | rebuilt_outputs
+        return self._build(name, dataclasses.replace(fusion, spec=new_spec, graph_outputs=graph_outputs), graphs)
 
     def _build(self, name: str, fusion: _Fusion, graphs: FunctionGraphs) -> BoundSymbol:
         spec = fusion.spec

@@ -126,6 +126,21 @@ def test_static_inputs_are_decided_by_identity():
     assert InputKind.GRAPH_OUTPUT in bw_kinds.values()
 
 
+def test_forward_outputs_that_rematerialization_saves_stay_static():
+    # torchcompile_xentropy's fusion pass runs after cudagraphex's and rematerializes between its forward and
+    # backward graphs: the backward then reads forward outputs it did not read when the regions were planned.
+    model = small_gpt("cpu")
+    jm = thunder.jit(model, executors=[emulated, *thunder.get_default_executors()])
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    jm(idx, targets).backward()
+    (fw,) = regions(jm, emulated, "forward")
+    (bw,) = regions(jm, emulated, "backward")
+    saved = [n for n in bw.info.input_names if n in fw.info.output_names]
+    assert len(saved) > 10
+    bw_kinds = dict(zip(bw.info.input_names, bw.kinds, strict=True))
+    assert {n: bw_kinds[n] for n in saved} == {n: InputKind.GRAPH_OUTPUT for n in saved}
+
+
 @pytest.mark.parametrize("position", POSITIONS)
 @pytest.mark.parametrize("model_name", ["mlp", "gpt", "conv_bn"])
 def test_training_matches_eager(backend, position, model_name):
