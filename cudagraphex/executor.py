@@ -10,9 +10,10 @@ execute a symbol to Thunder's autodiff, so the grad rules of the executors after
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from thunder.core import prims
@@ -35,7 +36,13 @@ from thunder.extend import (
 
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.capture import backend_for
-from cudagraphex.regions import RegionSpec, count_ops, plan_regions, written_inputs
+from cudagraphex.regions import (
+    RegionSpec,
+    count_ops,
+    plan_regions,
+    refused_rematerialization,
+    written_inputs,
+)
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion, GraphOptions, RegionInfo
 from cudagraphex.safety import unsafe_reason
 from cudagraphex.static_inputs import classify_inputs
@@ -46,6 +53,7 @@ __all__ = ["CUDAGraphExecutor", "cudagraphex"]
 logger = logging.getLogger("cudagraphex")
 
 _FUSION_PREFIX = "CUDAGraph"
+_ticks = itertools.count()
 
 
 @dataclasses.dataclass
@@ -60,6 +68,8 @@ class _Fusion:
     regions: list[GraphedRegion]
     #: The fusions before this one in its trace: a rebuilt fusion's inputs may be their rebuilt outputs.
     earlier: tuple[str, ...] = ()
+    #: When it was last built or handed back; an earlier fusion not handed back since is no longer in the trace.
+    tick: int = dataclasses.field(default_factory=lambda: next(_ticks))
 
 
 class CUDAGraphExecutor(FusionExecutor):
@@ -209,17 +219,26 @@ class CUDAGraphExecutor(FusionExecutor):
         fusion = graphs.fusions.get(name)
         if fusion is None:
             raise ValueError(f"{self.name} has no fusion named {name} in this compiled function")
-        inputs = [unvariableify(x) for x in region.inputs]
-        outputs = [unvariableify(x) for x in region.outputs]
-        members = list(region.bound_symbols)
         spec = fusion.spec
+        # Thunder hands back every fusion of a trace in order; one that was not handed back before this one was
+        # removed from the trace (rematerialization can leave a producer with nothing left to return).
+        earlier = [graphs.fusions[n].spec for n in fusion.earlier if graphs.fusions[n].tick > fusion.tick]
+        members, inputs, outputs = refused_rematerialization(
+            spec,
+            list(region.bound_symbols),
+            [unvariableify(x) for x in region.inputs],
+            [unvariableify(x) for x in region.outputs],
+            earlier,
+            _fused_by(fusion.inner),
+        )
         unchanged = (
-            [p.name for p in inputs] == [p.name for p in spec.inputs]
-            and [p.name for p in outputs] == [p.name for p in spec.outputs]
+            {p.name for p in inputs} == {p.name for p in spec.inputs}
+            and {p.name for p in outputs} == {p.name for p in spec.outputs}
             and len(members) == len(spec.bound_symbols)
             and all(a is b for a, b in zip(members, spec.bound_symbols, strict=True))
         )
         if unchanged:
+            graphs.fusions[name] = dataclasses.replace(fusion, tick=next(_ticks))
             return fusion.bsym
         written = written_inputs(members, {p.name for p in inputs})
         mutated = frozenset().union(*written.values())
@@ -233,10 +252,14 @@ class CUDAGraphExecutor(FusionExecutor):
             mutated_trace_inputs=spec.mutated_trace_inputs & mutated,
             written=written,
         )
-        # Rematerialization changes which forward outputs the backward reads; those stay graph outputs, not copies.
-        rebuilt_outputs = {p.name for n in fusion.earlier for p in graphs.fusions[n].spec.outputs}
-        graph_outputs = fusion.graph_outputs | rebuilt_outputs
-        return self._build(name, dataclasses.replace(fusion, spec=new_spec, graph_outputs=graph_outputs), graphs)
+        if len(members) != len(region.bound_symbols) or len(outputs) != len(region.outputs):
+            logger.info(
+                "cudagraphex: %s keeps its planned tensors saved for backward (rematerialization refused)", name
+            )
+        # Rematerialization that is kept changes which forward outputs the backward reads: they stay static.
+        graph_outputs = fusion.graph_outputs | {p.name for producer in earlier for p in producer.outputs}
+        rebuilt = dataclasses.replace(fusion, spec=new_spec, graph_outputs=graph_outputs, tick=next(_ticks))
+        return self._build(name, rebuilt, graphs)
 
     def _build(self, name: str, fusion: _Fusion, graphs: FunctionGraphs) -> BoundSymbol:
         spec = fusion.spec
@@ -310,6 +333,13 @@ def _declared_static(trace: TraceCtx, num_static_inputs: int | None) -> frozense
     if num_static_inputs > len(saved):
         raise ValueError(f"num_static_inputs={num_static_inputs} but the backward trace saves {len(saved)} tensors")
     return frozenset(p.name for p in saved[:num_static_inputs])
+
+
+def _fused_by(inner: Sequence[Executor]) -> Callable[[BoundSymbol], bool]:
+    """Whether one of the fusion executors in ``inner`` fuses a bound symbol into a larger kernel. An executor with
+    ``required_ops`` (torch.compile's cross-entropy and cat executors) fuses only regions holding one of those."""
+    fusers = [ex for ex in inner if isinstance(ex, FusionExecutor) and getattr(ex, "required_ops", None) is None]
+    return lambda bsym: any(ex.can_fuse(bsym) for ex in fusers)
 
 
 def _label(trace: TraceCtx) -> str:

@@ -12,6 +12,10 @@ Two hazards can only be seen once runs exist, so forming regions iterates until 
 - in a joint forward-backward trace Thunder keeps a ``copy_`` into a forward tensor in the forward pass, but a region
   that holds it moves to the backward pass unless one of its outputs is needed by the forward; such a write is kept
   out of the graph too.
+
+Regions can change after they are planned: every fusion executor after cudagraphex runs Thunder's rematerialization
+on the whole trace, which treats a forward and a backward graph like two fusions (see
+:func:`refused_rematerialization`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ __all__ = [
     "Plan",
     "RegionSpec",
     "plan_regions",
+    "refused_rematerialization",
     "source_line",
     "written_inputs",
 ]
@@ -427,3 +432,46 @@ def plan_regions(
         graph_outputs: names of tensors that graphs of earlier traces of the same function produced.
     """
     return _Planner(trace, reason_of, min_size, declared_static, graph_outputs).plan()
+
+
+def refused_rematerialization(
+    planned: RegionSpec,
+    members: list[BoundSymbol],
+    inputs: list[TensorProxy],
+    outputs: list[TensorProxy],
+    earlier: Collection[RegionSpec],
+    fused: Callable[[BoundSymbol], bool],
+) -> tuple[list[BoundSymbol], list[TensorProxy], list[TensorProxy]]:
+    """The members, inputs and outputs of a region that Thunder's rematerialization handed back changed, with the
+    changes undone where the recomputation it asks for would not be fused.
+
+    Rematerialization makes a producer graph stop returning some tensors saved for backward and makes the consumer
+    graph recompute them from the producer's other outputs. That saves memory at almost no cost where a fusion
+    executor fuses the recomputed ops; inside a graph whose ops each run their own kernel it adds those kernels to
+    every backward pass (measured on a 12-layer GPT in bf16 without nvFuser: 434 more kernels and 29% more GPU time
+    per training step).
+
+    Args:
+        planned: the region as planned (or last built).
+        members, inputs, outputs: the region as the rematerializing pass handed it back.
+        earlier: the regions before this one in its trace, as last built: the producers it may read from.
+        fused: whether an executor that lowers the region fuses a bound symbol into a larger kernel.
+
+    As a producer, the region keeps returning the tensors it stopped returning unless every op computing them is
+    fused. As a consumer, it drops its recomputed ops and reads the planned inputs again if every recomputed op
+    comes from an earlier region that still returns what it read, and not every one of them is fused.
+    """
+    returned = {p.name for p in outputs}
+    dropped = [p for p in planned.outputs if p.name not in returned]
+    dropped_names = {p.name for p in dropped}
+    computing = [b for b in members if any(p.name in dropped_names for p in b.flat_proxy_outs)]
+    if dropped and not all(map(fused, computing)):
+        outputs = [*outputs, *dropped]
+    planned_members = {id(b) for b in planned.bound_symbols}
+    recomputed = [b for b in members if id(b) not in planned_members]
+    if recomputed and not all(map(fused, recomputed)):
+        earlier_members = {id(b) for spec in earlier for b in spec.bound_symbols}
+        available = {p.name for p in inputs} | {p.name for spec in earlier for p in spec.outputs}
+        if all(id(b) in earlier_members for b in recomputed) and all(p.name in available for p in planned.inputs):
+            return list(planned.bound_symbols), list(planned.inputs), outputs
+    return members, inputs, outputs

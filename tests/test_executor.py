@@ -11,6 +11,7 @@ import thunder
 import torch
 from thunder.extend import FusionExecutor, OperatorExecutor, get_executor, register_executor
 
+import cudagraphex.executor as executor_module
 from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
 from cudagraphex import CUDAGraphExecutor, cudagraphex
 from cudagraphex.static_inputs import InputKind
@@ -126,19 +127,36 @@ def test_static_inputs_are_decided_by_identity():
     assert InputKind.GRAPH_OUTPUT in bw_kinds.values()
 
 
-def test_forward_outputs_that_rematerialization_saves_stay_static():
-    # torchcompile_xentropy's fusion pass runs after cudagraphex's and rematerializes between its forward and
-    # backward graphs: the backward then reads forward outputs it did not read when the regions were planned.
+@pytest.mark.parametrize("recomputation_fused", [False, True])
+def test_rematerialization_between_graphs(monkeypatch, recomputation_fused):
+    # torchcompile_xentropy's fusion pass runs after cudagraphex's and rematerializes between its forward and backward
+    # graphs. Recomputation that no executor fuses would add a kernel per op to every backward: it is refused. Fused
+    # recomputation is kept, and the forward outputs the backward then reads stay static.
+    if recomputation_fused:
+        monkeypatch.setattr(executor_module, "_fused_by", lambda inner: lambda bsym: True)
     model = small_gpt("cpu")
+    reference = twin(model)
     jm = thunder.jit(model, executors=[emulated, *thunder.get_default_executors()])
-    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
-    jm(idx, targets).backward()
+    for _ in range(3):
+        idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+        loss, expected = jm(idx, targets), reference(idx, targets)
+        torch.testing.assert_close(loss, expected)
+        loss.backward()
+        expected.backward()
+        assert_grads_close(model, reference)
+        model.zero_grad()
+        reference.zero_grad()
+        del loss  # held across calls, it would make the next forward run eagerly (its graph output is in use)
+    specs = {r.info.phase: graphs(jm, emulated).fusions[r.name].spec for r in regions(jm, emulated)}
+    recomputed = {id(b) for b in specs["forward"].bound_symbols} & {id(b) for b in specs["backward"].bound_symbols}
+    assert bool(recomputed) is recomputation_fused
     (fw,) = regions(jm, emulated, "forward")
     (bw,) = regions(jm, emulated, "backward")
     saved = [n for n in bw.info.input_names if n in fw.info.output_names]
     assert len(saved) > 10
     bw_kinds = dict(zip(bw.info.input_names, bw.kinds, strict=True))
     assert {n: bw_kinds[n] for n in saved} == {n: InputKind.GRAPH_OUTPUT for n in saved}
+    assert replays(jm, emulated) >= 4
 
 
 @pytest.mark.parametrize("position", POSITIONS)
