@@ -145,6 +145,8 @@ class EmulatedGraph:
         for i in self._static:
             call_args[i] = args[i]
         for target, fresh in zip(self._outputs, self._fn(*call_args), strict=True):
+            if target is None:
+                continue
             if fresh.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
                 dims = expanded_dims(target)
                 unexpand(target, dims).copy_(unexpand(fresh, dims))

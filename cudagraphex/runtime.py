@@ -271,6 +271,11 @@ class _Instance:
         self.group_cdata: list[int] = []
         group_index: dict[int, int] = {}
         for out in outputs:
+            if out is None:  # declared a tensor, None at run time (flash attention's cum_seq_q outside varlen)
+                self.borrowed.append(None)
+                self.anchors.append(None)
+                self.group_of.append(-1)
+                continue
             storage = out.untyped_storage()
             if storage.data_ptr() in static_storages:
                 meta = (out.shape, out.stride(), out.storage_offset())
@@ -342,7 +347,7 @@ class _Instance:
             torch._foreach_copy_([args[i] for i, _ in self.copy_back], [buf for _, buf in self.copy_back])
         self.replays += 1
         if self.plain and not self.region.copying:
-            return [a.detach() for a in self.anchors]
+            return [None if a is None else a.detach() for a in self.anchors]
         return self._handout(args)
 
     def _handout(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -350,6 +355,9 @@ class _Instance:
         out = []
         for i, anchor in enumerate(self.anchors):
             if anchor is None:
+                if self.borrowed[i] is None:
+                    out.append(None)
+                    continue
                 source, meta = self.borrowed[i]
                 out.append(_alias(args[source].untyped_storage(), args[source], meta))
                 continue

@@ -47,6 +47,37 @@ def test_inference_loop_keeps_every_output(backend):
     assert replays(jm, backend.executor) >= 3
 
 
+_declares_more = OperatorExecutor("cudagraphex_test_declares_more")
+register_executor(_declares_more)
+# Like flash attention's forward, whose cum_seq_q/cum_seq_k are declared tensors and are None outside varlen.
+doubled_and_none = _declares_more.register_operator(
+    "doubled_and_none",
+    meta=lambda x: (thunder.TensorProxy(like=x), thunder.TensorProxy(like=x)),
+    fn=lambda x: (x * 2, None),
+)
+
+
+@pytest.mark.parametrize("keep_outputs", [False, True])
+def test_output_that_is_none_at_run_time_is_handed_out_as_none(backend, keep_outputs):
+    def f(x):
+        doubled, nothing = doubled_and_none(x.sin())
+        return doubled.cos() + 1, nothing
+
+    jf = thunder.jit(f, executors=[backend.executor, _declares_more, *thunder.get_default_executors()])
+    kept = []
+    for _ in range(4):
+        x = torch.randn(8, device=backend.device)
+        out, nothing = jf(x)
+        torch.testing.assert_close(out, (x.sin() * 2).cos() + 1)
+        assert nothing is None
+        if keep_outputs:
+            kept.append((x, out))
+    for x, out in kept:
+        torch.testing.assert_close(out, (x.sin() * 2).cos() + 1)
+    (region,) = regions(jf, backend.executor)
+    assert region.disabled_reason is None and replays(jf, backend.executor) >= 2
+
+
 def held_outputs_survive(ex) -> bool:
     model = mlp(2, 16).eval()
     jm = jit(model, ex)
