@@ -209,7 +209,8 @@ class _Instance:
         args: Sequence[torch.Tensor],
         pool: _Pool,
     ) -> None:
-        kinds = region.kinds
+        # A tensor input that is None at run time (flash attention's cum_seq_q outside varlen) is a host value here.
+        kinds = [InputKind.HOST_VALUE if a is None else kind for kind, a in zip(region.kinds, args, strict=True)]
         n = len(args)
         self.region = region
         self.key = key
