@@ -578,7 +578,9 @@ class GraphedRegion:
         return self.fn(*args)
 
 
-def _version(t: torch.Tensor) -> int | None:
+def _version(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
     try:
         return t._version
     except RuntimeError:  # inference tensors have no version counter
