@@ -215,6 +215,8 @@ def _markdown_document(records: Sequence[Mapping[str, Any]], meta: Mapping[str, 
                 text += f"; the CUDA context failed: {run['cuda_context_failed']}"
             lines.append(text)
         lines.append("")
+    if meta.get("note"):
+        lines += [f"Note: {meta['note']}", ""]
     lines += [markdown_table(records, variants), ""]
     breakdown = meta.get("host_breakdown")
     if breakdown:

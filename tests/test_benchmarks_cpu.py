@@ -127,7 +127,7 @@ _META = {"date": "2026-01-02", "gpu": "NVIDIA H200", "host_breakdown": {"per_cop
 
 def test_writers_show_ratios_to_both_references(tmp_path):
     records = _fake_records()
-    paths = write_results(records, _META, tmp_path)
+    paths = write_results(records, dict(_META, note="merged from two runs"), tmp_path)
 
     assert paths["json"].name == "2026-01-02-nvidia-h200.json"
     data = json.loads(paths["json"].read_text())
@@ -147,6 +147,7 @@ def test_writers_show_ratios_to_both_references(tmp_path):
     md = paths["md"].read_text()
     assert "| mlp16x256-b8 | inference | eager | 300.0 | – | 3.00 | 1.50 |" in md
     assert "per copied input" in md
+    assert "Note: merged from two runs" in md
 
 
 def test_chart_is_written(tmp_path):
