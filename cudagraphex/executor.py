@@ -253,9 +253,7 @@ class CUDAGraphExecutor(FusionExecutor):
             written=written,
         )
         if len(members) != len(region.bound_symbols) or len(outputs) != len(region.outputs):
-            logger.info(
-                "cudagraphex: %s keeps its planned tensors saved for backward (rematerialization refused)", name
-            )
+            logger.info("%s: keeps the tensors saved for backward it planned; rematerialization refused", name)
         # Rematerialization that is kept changes which forward outputs the backward reads: they stay static.
         graph_outputs = fusion.graph_outputs | {p.name for producer in earlier for p in producer.outputs}
         rebuilt = dataclasses.replace(fusion, spec=new_spec, graph_outputs=graph_outputs, tick=next(_ticks))

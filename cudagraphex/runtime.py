@@ -12,6 +12,8 @@ What is static
     Graphs hold the addresses of static inputs, not the tensors, so replacing a parameter frees the old one.
     Every other tensor input is *copied*: one batched copy moves it into a buffer the graph owns, skipped for an input
     that already is that buffer; if the graph writes that input in place, the buffer is copied back after the replay.
+    A tensor that the trace declares but that is None at run time (flash attention's ``cum_seq_q`` outside varlen)
+    passes through as None: an input is part of the graph's signature, an output is handed out as None.
 
 Who owns which memory
     Graph memory (intermediates and outputs) lives in a pool. The graphs of one compiled function on one device share
