@@ -297,7 +297,8 @@ class _Instance:
         self.group_returned = [
             any(region.info.output_names[i] in region.info.returned for i in m) for m in self.group_members
         ]
-        self.plain = all(b is None for b in self.borrowed)
+        # Plain: every output is an anchor handed out as is (a None output takes the slow path of _handout).
+        self.plain = all(b is None and a is not None for a, b in zip(self.anchors, self.borrowed, strict=True))
 
     def watch(self, other: _Instance) -> None:
         for g, cd in enumerate(other.group_cdata):
@@ -350,7 +351,7 @@ class _Instance:
             torch._foreach_copy_([args[i] for i, _ in self.copy_back], [buf for _, buf in self.copy_back])
         self.replays += 1
         if self.plain and not self.region.copying:
-            return [None if a is None else a.detach() for a in self.anchors]
+            return [a.detach() for a in self.anchors]
         return self._handout(args)
 
     def _handout(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
