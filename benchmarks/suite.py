@@ -44,8 +44,8 @@ from benchmarks.variants import (
     Case,
     Compiled,
     ManualGraph,
-    compile_variant,
     device_time_per_call_us,
+    make_variant,
     module_case,
 )
 from benchmarks.workloads import WORKLOADS, Setup, Workload
@@ -56,6 +56,7 @@ __all__ = [
     "Suite",
     "compare",
     "emulated_executor",
+    "free_memory",
     "in_graphs_fraction",
     "prepare",
     "time_per_call_us",
@@ -354,7 +355,7 @@ class Suite:
                 self._prepared.clear()
                 with contextlib.suppress(Exception):
                     torch._dynamo.reset()
-                _free_memory(self.device)
+                free_memory(self.device)
                 self.checkpoint(self.records)
             else:
                 self._run_task(workload, task)
@@ -400,7 +401,7 @@ class Suite:
             except Exception as e:  # noqa: BLE001 - recorded for every task of this workload
                 self._prepared[workload.name] = e
                 self._check_health(e, f"{workload.name}: building it")
-            _free_memory(self.device)
+            free_memory(self.device)
         return self._prepared[workload.name]
 
     def _run_variant(self, workload: Workload, variant: str, prepared: Prepared) -> None:
@@ -408,13 +409,7 @@ class Suite:
         compiled: Compiled | ManualGraph | None = None
         base = _MemoryBase.now(self.device)
         try:
-            if variant == "manual-graph":
-                compiled = ManualGraph(setup.fresh_model)
-            elif variant == "kernel-floor":
-                module = setup.fresh_model()
-                compiled = Compiled(module, module)
-            else:
-                compiled = compile_variant(variant, setup.fresh_model(), self.graph_executor)
+            compiled = make_variant(variant, setup.fresh_model, self.graph_executor)
         except Exception as e:  # noqa: BLE001 - recorded; the run goes on
             self._skip(workload, variant, prepared.modes, short_error(e))
             return
@@ -429,7 +424,7 @@ class Suite:
             self.records.append(record)
             self.progress(f"{workload.name} {variant} {mode}")
         del compiled
-        _free_memory(self.device)
+        free_memory(self.device)
 
     def _measure(self, record: Record, compiled: Compiled | ManualGraph, prepared: Prepared, base: _MemoryBase) -> None:
         """The measurements of the module docstring for one mode (kernel-floor: its GPU time instead)."""
@@ -514,7 +509,7 @@ class Suite:
         took = time.monotonic() - start
         self.budget.spent(MICRO_COST_S, took)
         self.log(f"micro-100ops: {took:.1f} s")
-        _free_memory(self.device)
+        free_memory(self.device)
 
 
 @dataclass(frozen=True)
@@ -604,7 +599,9 @@ def emulated_executor(name: str):
     return executor
 
 
-def _free_memory(device: torch.device) -> None:
+def free_memory(device: torch.device) -> None:
+    """Collects garbage and, on a GPU, hands the allocator's cached blocks back; never raises (a failed CUDA context
+    is reported by the suite's health check)."""
     gc.collect()
     if device.type == "cuda":
         with contextlib.suppress(Exception):  # a failed context raises here too; _check_health reports it

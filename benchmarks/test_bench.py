@@ -7,13 +7,11 @@ differ; pytest-benchmark times one call, synchronized, per round. Without CUDA, 
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
-from benchmarks.suite import Prepared, compare, prepare
-from benchmarks.variants import Compiled, ManualGraph, compile_variant
+from benchmarks.suite import Prepared, compare, free_memory, prepare
+from benchmarks.variants import Compiled, ManualGraph, make_variant
 from benchmarks.workloads import WORKLOADS, transformers_available
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -49,13 +47,9 @@ class _Current:
             self.compiled = None
             torch._dynamo.reset()
             _free()
-            setup = self.prepared.setup
-            if variant == "manual-graph":
-                self.compiled = ManualGraph(setup.fresh_model)
-            else:
-                from cudagraphex import cudagraphex
+            from cudagraphex import cudagraphex
 
-                self.compiled = compile_variant(variant, setup.fresh_model(), cudagraphex)
+            self.compiled = make_variant(variant, self.prepared.setup.fresh_model, cudagraphex)
             self.variant = (workload, variant)
         return self.prepared, self.compiled
 
@@ -65,10 +59,7 @@ class _Current:
 
 
 def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    free_memory(torch.device("cuda", torch.cuda.current_device()))
 
 
 _current = _Current()

@@ -46,6 +46,7 @@ __all__ = [
     "ManualGraph",
     "compile_variant",
     "device_time_per_call_us",
+    "make_variant",
     "module_case",
 ]
 
@@ -348,6 +349,18 @@ class ManualGraph:
             return Case(step, collect_step, kept.clear)
 
         raise ValueError(f"unknown mode {mode!r}")
+
+
+def make_variant(name: str, fresh_model: Callable[[], nn.Module], graph_executor) -> Compiled | ManualGraph:
+    """Variant ``name`` ready to make cases from: hand-captured for manual-graph, the eager model for kernel-floor (the
+    runner profiles it), compiled by :func:`compile_variant` otherwise. ``fresh_model`` makes an independent copy of
+    the workload's model. Raises whatever compiling raises."""
+    if name == "manual-graph":
+        return ManualGraph(fresh_model)
+    if name == "kernel-floor":
+        module = fresh_model()
+        return Compiled(module, module)
+    return compile_variant(name, fresh_model(), graph_executor)
 
 
 def device_time_per_call_us(call: Callable[[], None], calls: int) -> float:
