@@ -231,6 +231,9 @@ class CUDAGraphExecutor(FusionExecutor):
             earlier,
             _fused_by(fusion.inner),
         )
+        handed_back_outputs = {unvariableify(x).name for x in region.outputs}
+        if len(members) != len(region.bound_symbols) or {p.name for p in outputs} != handed_back_outputs:
+            logger.info("%s: keeps the tensors saved for backward it planned; rematerialization refused", name)
         unchanged = (
             {p.name for p in inputs} == {p.name for p in spec.inputs}
             and {p.name for p in outputs} == {p.name for p in spec.outputs}
@@ -252,8 +255,6 @@ class CUDAGraphExecutor(FusionExecutor):
             mutated_trace_inputs=spec.mutated_trace_inputs & mutated,
             written=written,
         )
-        if len(members) != len(region.bound_symbols) or len(outputs) != len(region.outputs):
-            logger.info("%s: keeps the tensors saved for backward it planned; rematerialization refused", name)
         # Rematerialization that is kept changes which forward outputs the backward reads: they stay static.
         graph_outputs = fusion.graph_outputs | {p.name for producer in earlier for p in producer.outputs}
         rebuilt = dataclasses.replace(fusion, spec=new_spec, graph_outputs=graph_outputs, tick=next(_ticks))

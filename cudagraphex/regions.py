@@ -445,11 +445,11 @@ def refused_rematerialization(
     """The members, inputs and outputs of a region that Thunder's rematerialization handed back changed, with the
     changes undone where the recomputation it asks for would not be fused.
 
-    Rematerialization makes a producer graph stop returning some tensors saved for backward and makes the consumer
-    graph recompute them from the producer's other outputs. That saves memory at almost no cost where a fusion
-    executor fuses the recomputed ops; inside a graph whose ops each run their own kernel it adds those kernels to
-    every backward pass (measured on a 12-layer GPT in bf16 without nvFuser: 434 more kernels and 29% more GPU time
-    per training step).
+    Rematerialization makes a producer graph stop returning some tensors saved for backward, return others (the
+    *cut*) instead, and makes the consumer graph recompute the first from the second. That saves memory at almost no
+    cost where a fusion executor fuses the recomputed ops; inside a graph whose ops each run their own kernel it adds
+    those kernels to every backward pass (measured on a 12-layer GPT in bf16 without nvFuser: 434 more kernels and 29%
+    more GPU time per training step).
 
     Args:
         planned: the region as planned (or last built).
@@ -457,21 +457,46 @@ def refused_rematerialization(
         earlier: the regions before this one in its trace, as last built: the producers it may read from.
         fused: whether an executor that lowers the region fuses a bound symbol into a larger kernel.
 
-    As a producer, the region keeps returning the tensors it stopped returning unless every op computing them is
-    fused. As a consumer, it drops its recomputed ops and reads the planned inputs again if every recomputed op
-    comes from an earlier region that still returns what it read, and not every one of them is fused.
+    As a producer, the region keeps its planned outputs, and returns no cut, unless every op computing the tensors it
+    stopped returning is fused: a graph output nobody reads would hold its memory for as long as the graph lives. As
+    a consumer, it drops each recomputed op whose result an earlier region returns (again), and the ops only those
+    fed. Thunder hands regions back in trace order, so every producer has decided before its consumers; a producer
+    that Thunder's dead-code elimination removed is not in ``earlier``, and what it computed stays recomputed. A fusion
+    of another executor that recomputes from a refused producer's cut is not supported (it would read a tensor that no
+    longer exists); executors after cudagraphex only form fusions of what it left out.
+
+    Raises:
+        RuntimeError: if the rebuilt region would read a tensor that no earlier region returns.
     """
     returned = {p.name for p in outputs}
-    dropped = [p for p in planned.outputs if p.name not in returned]
-    dropped_names = {p.name for p in dropped}
-    computing = [b for b in members if any(p.name in dropped_names for p in b.flat_proxy_outs)]
+    dropped = {p.name for p in planned.outputs} - returned
+    computing = [b for b in members if any(p.name in dropped for p in b.flat_proxy_outs)]
     if dropped and not all(map(fused, computing)):
-        outputs = [*outputs, *dropped]
+        outputs = list(planned.outputs)
     planned_members = {id(b) for b in planned.bound_symbols}
-    recomputed = [b for b in members if id(b) not in planned_members]
-    if recomputed and not all(map(fused, recomputed)):
-        earlier_members = {id(b) for spec in earlier for b in spec.bound_symbols}
-        available = {p.name for p in inputs} | {p.name for spec in earlier for p in spec.outputs}
-        if all(id(b) in earlier_members for b in recomputed) and all(p.name in available for p in planned.inputs):
-            return list(planned.bound_symbols), list(planned.inputs), outputs
-    return members, inputs, outputs
+    if all(id(b) in planned_members for b in members):
+        return members, inputs, outputs
+
+    produced_earlier = {p.name for spec in earlier for b in spec.bound_symbols for p in b.flat_proxy_outs}
+    available = {p.name for spec in earlier for p in spec.outputs}
+    available |= {p.name for p in inputs if p.name not in produced_earlier}
+    needed = {p.name for p in outputs}
+    kept: list[BoundSymbol] = []
+    for bsym in reversed(members):
+        wanted = {p.name for p in bsym.flat_proxy_outs} & needed
+        if id(bsym) not in planned_members and wanted <= available:
+            continue
+        kept.append(bsym)
+        needed |= {p.name for p in bsym.flat_proxy_args}
+    kept.reverse()
+    produced = {p.name for b in kept for p in b.flat_proxy_outs}
+    read: dict[str, TensorProxy] = {}
+    for p in (*inputs, *planned.inputs):
+        if p.name in needed and p.name not in produced:
+            read.setdefault(p.name, p)
+    missing = sorted(needed - produced - available)
+    if missing:
+        raise RuntimeError(
+            f"cudagraphex: after rematerialization a graph would read {missing}, which no earlier graph returns"
+        )
+    return kept, list(read.values()), outputs

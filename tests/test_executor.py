@@ -9,6 +9,7 @@ import weakref
 import pytest
 import thunder
 import torch
+from thunder.core import prims
 from thunder.extend import FusionExecutor, OperatorExecutor, get_executor, register_executor
 
 import cudagraphex.executor as executor_module
@@ -156,6 +157,11 @@ def test_rematerialization_between_graphs(monkeypatch, recomputation_fused):
     assert len(saved) > 10
     bw_kinds = dict(zip(bw.info.input_names, bw.kinds, strict=True))
     assert {n: bw_kinds[n] for n in saved} == {n: InputKind.GRAPH_OUTPUT for n in saved}
+    # A graph output nobody reads would hold its memory as long as the graph lives.
+    forward_trace = thunder.last_traces(jm)[-1]
+    readers = [b for b in forward_trace.bound_symbols if b.sym.name != fw.name and b.sym.id != prims.PrimIDs.DEL]
+    read = {p.name for b in readers for p in b.flat_proxy_args}
+    assert [n for n in fw.info.output_names if n not in read] == []
     assert replays(jm, emulated) >= 4
 
 
