@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import weakref
@@ -15,6 +16,7 @@ from thunder.extend import FusionExecutor, OperatorExecutor, get_executor, regis
 import cudagraphex.executor as executor_module
 from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
 from cudagraphex import CUDAGraphExecutor, cudagraphex
+from cudagraphex.regions import RegionSpec, refused_rematerialization
 from cudagraphex.static_inputs import InputKind
 from tests.helpers import assert_grads_close, emulated, graphs, jit, num_graphs, regions, replays, twin
 
@@ -163,6 +165,38 @@ def test_rematerialization_between_graphs(monkeypatch, recomputation_fused):
     read = {p.name for b in readers for p in b.flat_proxy_args}
     assert [n for n in fw.info.output_names if n not in read] == []
     assert replays(jm, emulated) >= 4
+
+
+def _chain_regions():
+    """A producer region computing b = cos(sin(x)) and a consumer computing exp(b), as planned."""
+    trace = thunder.trace()(lambda x: x.sin().cos().exp(), torch.randn(3))
+    sin, cos, exp = (b for b in trace.bound_symbols if b.sym.name in ("sin", "cos", "exp"))
+    x, a, b = sin.args[0], sin.output, cos.output
+    producer = RegionSpec([sin, cos], [x], [b], "cpu", "forward")
+    consumer = RegionSpec([exp], [b], [exp.output], "cpu", "backward")
+    return producer, consumer, (sin, cos, exp), (x, a, b)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_refused_rematerialization_is_decided_by_the_producer(fused):
+    # Rematerialization hands back a producer that returns a (the cut) instead of b, and a consumer that recomputes b.
+    producer, consumer, (sin, cos, exp), (x, a, b) = _chain_regions()
+    members, inputs, outputs = refused_rematerialization(producer, [sin, cos], [x], [a], [], lambda bsym: fused)
+    assert (members, inputs) == ([sin, cos], [x])
+    assert [p.name for p in outputs] == [a.name if fused else b.name]  # no output nobody reads
+    rebuilt = dataclasses.replace(producer, outputs=outputs)
+    members, inputs, outputs = refused_rematerialization(
+        consumer, [cos, exp], [a], [exp.output], [rebuilt], lambda bsym: fused
+    )
+    assert members == ([cos, exp] if fused else [exp])
+    assert [p.name for p in inputs] == [a.name if fused else b.name]
+
+
+def test_refused_rematerialization_never_reads_what_no_graph_returns():
+    producer, consumer, (_, cos, exp), (_, a, _) = _chain_regions()
+    gone = dataclasses.replace(producer, outputs=[])  # returns neither the cut nor what the consumer planned to read
+    with pytest.raises(RuntimeError, match=a.name):
+        refused_rematerialization(consumer, [cos, exp], [a], [exp.output], [gone], lambda bsym: False)
 
 
 @pytest.mark.parametrize("position", POSITIONS)
