@@ -223,16 +223,16 @@ class CUDAGraphExecutor(FusionExecutor):
         # Thunder hands back every fusion of a trace in order; one that was not handed back before this one was
         # removed from the trace (rematerialization can leave a producer with nothing left to return).
         earlier = [graphs.fusions[n].spec for n in fusion.earlier if graphs.fusions[n].tick > fusion.tick]
+        handed_back = [unvariableify(x) for x in region.outputs]
         members, inputs, outputs = refused_rematerialization(
             spec,
             list(region.bound_symbols),
             [unvariableify(x) for x in region.inputs],
-            [unvariableify(x) for x in region.outputs],
+            handed_back,
             earlier,
             _fused_by(fusion.inner),
         )
-        handed_back_outputs = {unvariableify(x).name for x in region.outputs}
-        if len(members) != len(region.bound_symbols) or {p.name for p in outputs} != handed_back_outputs:
+        if len(members) != len(region.bound_symbols) or {p.name for p in outputs} != {p.name for p in handed_back}:
             logger.info("%s: keeps the tensors saved for backward it planned; rematerialization refused", name)
         unchanged = (
             {p.name for p in inputs} == {p.name for p in spec.inputs}
