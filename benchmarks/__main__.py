@@ -59,6 +59,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement (default 5, quick 3)")
     parser.add_argument("--quick", action="store_true", help="fewer and shorter repetitions")
     parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="time each variant right after its setup, instead of all variants of a workload in rounds",
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep the records of an existing results file of the same date and GPU that this run does not redo "
@@ -160,7 +165,12 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
     from benchmarks.suite import Options, Suite
     from benchmarks.variants import VARIANTS
 
-    options = Options(reps=args.reps or (3 if args.quick else 5), quick=args.quick, budget_s=args.budget_s)
+    options = Options(
+        reps=args.reps or (3 if args.quick else 5),
+        quick=args.quick,
+        budget_s=args.budget_s,
+        interleaved=not args.sequential,
+    )
     suite = Suite(
         args.workloads if args.run_workloads else [],
         args.modes,
@@ -234,6 +244,7 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
             "micro": args.run_micro,
             "reps": options.reps,
             "quick": options.quick,
+            "interleaved": options.interleaved,
             "budget_s": options.budget_s,
             "warmup_calls": options.warmup_calls,
             "rep_target_s": options.rep_target_s,

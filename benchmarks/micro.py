@@ -6,15 +6,23 @@ ways on the same captured graph:
 
 (a) ``thunder call``: the compiled Thunder function (prologue checks, the region, epilogue);
 (b) ``region call``: the ``GraphedRegion`` called directly with the region's inputs (guards, the batched input copy,
-    the liveness check, the replay, wrapping the outputs);
+    the liveness check, the replay, handing out the outputs);
 (c) ``graph.replay``: ``torch.cuda.CUDAGraph.replay()`` alone.
 
-Derived, in microseconds: cudagraphex overhead per region = (b) - (c) at k=1; per copied input = the least-squares
-slope of (b) - (c) over k; Thunder prologue/epilogue + glue = (a) - (b) at k=1.
+A second function, ``hundred_outputs``, returns each of its 100 ops' results, so its region hands out 100 outputs.
+
+Every time is *host* time: a block of calls starts on an idle GPU and ends when its last call returns, without waiting
+for the GPU, whose work queues up. (Timed with a synchronize at the end, the 100 kernels, ~94 µs on an H200, would set
+the pace and hide the host's work.)
+
+Derived, in microseconds: host cost per region = (b) - (c) at k=1; per copied input = the least-squares slope of
+(b) - (c) over k; per returned output = the extra (b) - (c) of ``hundred_outputs`` over ``hundred_ops`` at k=1, per
+extra output; Thunder prologue/epilogue + glue = (a) - (b) at k=1.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -22,13 +30,25 @@ import torch
 
 from benchmarks.report import Record
 
-__all__ = ["K_VALUES", "MICRO_WORKLOAD", "hundred_ops", "run_micro"]
+__all__ = [
+    "K_VALUES",
+    "MICRO_MEASUREMENTS",
+    "MICRO_WORKLOAD",
+    "host_time_per_call_us",
+    "hundred_ops",
+    "hundred_outputs",
+    "run_micro",
+]
 
 MICRO_WORKLOAD = "micro-100ops"
 K_VALUES = (1, 8, 32)
 _NUMEL = 1024
 #: (a), (b), (c) of the module docstring.
 _WAYS = ("thunder call", "region call", "graph.replay")
+#: The ``hundred_ops`` cases (one per k) and the ``hundred_outputs`` case, each timed three ways.
+MICRO_MEASUREMENTS = 3 * (len(K_VALUES) + 1)
+#: Calls per timed block: few enough that the GPU's queue never fills, so the host never waits for it.
+_CALLS_PER_BLOCK = 20
 
 
 def hundred_ops(*xs: torch.Tensor) -> torch.Tensor:
@@ -40,6 +60,34 @@ def hundred_ops(*xs: torch.Tensor) -> torch.Tensor:
         y = y * 1.0001
         y = y + 0.0001
     return y
+
+
+def hundred_outputs(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The 100 results of alternating pointwise ops on ``x``."""
+    outs = []
+    y = x
+    for _ in range(50):
+        y = y * 1.0001
+        outs.append(y)
+        y = y + 0.0001
+        outs.append(y)
+    return tuple(outs)
+
+
+def host_time_per_call_us(call: Callable[[], None], sync: Callable[[], None], reps: int) -> float:
+    """The median over ``reps`` blocks of the host time per call, in microseconds: each block starts on an idle GPU
+    and ends when its last call returns, without waiting for the GPU."""
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(max(1, reps)):
+        sync()
+        start = time.perf_counter()
+        for _ in range(_CALLS_PER_BLOCK):
+            call()
+        times.append((time.perf_counter() - start) / _CALLS_PER_BLOCK * 1e6)
+    sync()
+    return statistics.median(times)
 
 
 def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -75,19 +123,22 @@ def run_micro(
     ``executor`` is the cudagraphex executor (an emulating one on the CPU, where (c) replays the emulation). Errors
     are recorded per measurement; the breakdown holds None where its inputs are missing.
     """
-    from benchmarks.suite import short_error, time_per_call_us
+    from benchmarks.suite import short_error
 
     records: list[Record] = []
-    medians: dict[str, dict[int, float]] = {name: {} for name in _WAYS}
-    for k in K_VALUES:
-        group = [Record(MICRO_WORKLOAD, "inference", f"{name} k={k}") for name in _WAYS]
+    medians: dict[str, dict[int | str, float]] = {name: {} for name in _WAYS}
+    cases: list[tuple[int | str, Callable, int]] = [(k, hundred_ops, k) for k in K_VALUES]
+    cases.append((_OUTPUTS, hundred_outputs, 1))
+    for key, fn, k in cases:
+        label = f"k={key}" if isinstance(key, int) else key
+        group = [Record(MICRO_WORKLOAD, "inference", f"{name} {label}") for name in _WAYS]
         try:
-            calls = _prepare_k(k, executor, device, sync, group)
+            calls = _prepare(fn, k, executor, device, sync, group)
             for record, name in zip(group, _WAYS, strict=True):
                 try:
                     with torch.no_grad():  # the grad mode the function was compiled and captured in
-                        record.median_us = time_per_call_us(calls[name], sync, options)
-                    medians[name][k] = record.median_us
+                        record.median_us = host_time_per_call_us(calls[name], sync, options.reps)
+                    medians[name][key] = record.median_us
                 except Exception as e:  # noqa: BLE001 - recorded; the other measurements go on
                     record.error = short_error(e)
         except Exception as e:  # noqa: BLE001 - recorded for the whole group
@@ -99,13 +150,19 @@ def run_micro(
     return records, _breakdown(medians)
 
 
-def _prepare_k(k: int, executor, device: torch.device, sync: Callable[[], None], group: list[Record]) -> dict:
-    """Compiles and captures the function of ``k`` inputs, checks (a) and (b) against eager (into ``group``), and
-    returns the three ways to replay it."""
+#: The key of the ``hundred_outputs`` case among the k values.
+_OUTPUTS = "100 outputs"
+
+
+def _prepare(
+    fn: Callable, k: int, executor, device: torch.device, sync: Callable[[], None], group: list[Record]
+) -> dict:
+    """Compiles and captures ``fn`` of ``k`` inputs, checks (a) and (b) against eager (into ``group``), and returns
+    the three ways to replay it."""
     import thunder
 
     xs = [torch.full((_NUMEL,), 1.0 + i / k, device=device) for i in range(k)]
-    jfn = thunder.jit(hundred_ops, executors=[executor, *thunder.get_default_executors()])
+    jfn = thunder.jit(fn, executors=[executor, *thunder.get_default_executors()])
     with torch.no_grad():
         sync()
         start = time.perf_counter()
@@ -119,11 +176,14 @@ def _prepare_k(k: int, executor, device: torch.device, sync: Callable[[], None],
         region = regions[0]
         args = _region_inputs(jfn, region, xs)
         graph = region.instances[0].graph
-        expected = hundred_ops(*xs)
+        expected = _flat(fn(*xs))
         # Outputs are never held across calls: a held output makes the region return copies from then on.
-        group[0].correct = bool(torch.allclose(jfn(*xs), expected, rtol=1e-4, atol=1e-4))
-        group[1].correct = bool(torch.allclose(region(*args)[0], expected, rtol=1e-4, atol=1e-4))
-    group[0].note = f"region of {region.info.num_ops} ops, {len(region.info.input_names)} input(s)"
+        group[0].correct = _close(_flat(jfn(*xs)), expected)
+        group[1].correct = _close(region(*args), expected)
+    group[0].note = (
+        f"region of {region.info.num_ops} ops, {len(region.info.input_names)} input(s),"
+        f" {len(region.info.output_names)} output(s)"
+    )
 
     def thunder_call() -> None:
         jfn(*xs)
@@ -145,16 +205,30 @@ def _prepare_k(k: int, executor, device: torch.device, sync: Callable[[], None],
     return {"thunder call": thunder_call, "region call": region_call, "graph.replay": replay}
 
 
-def _breakdown(medians: dict[str, dict[int, float]]) -> dict:
+def _flat(out: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [out] if isinstance(out, torch.Tensor) else list(out)
+
+
+def _close(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> bool:
+    return len(got) == len(expected) and all(
+        torch.allclose(g, e, rtol=1e-4, atol=1e-4) for g, e in zip(got, expected, strict=True)
+    )
+
+
+def _breakdown(medians: dict[str, dict[int | str, float]]) -> dict:
     a, b, c = medians["thunder call"], medians["region call"], medians["graph.replay"]
     both = [k for k in K_VALUES if k in b and k in c]
-    result = {
+    per_region = b[1] - c[1] if 1 in both else None
+    per_output = None
+    if per_region is not None and _OUTPUTS in b and _OUTPUTS in c:
+        per_output = (b[_OUTPUTS] - c[_OUTPUTS] - per_region) / (100 - 1)
+    return {
         "k": list(K_VALUES),
         "thunder_call_us": [a.get(k) for k in K_VALUES],
         "region_call_us": [b.get(k) for k in K_VALUES],
         "graph_replay_us": [c.get(k) for k in K_VALUES],
-        "cudagraphex_overhead_per_region_us": b[1] - c[1] if 1 in both else None,
+        "cudagraphex_overhead_per_region_us": per_region,
         "per_copied_input_us": _slope(both, [b[k] - c[k] for k in both]) if len(both) >= 2 else None,
+        "per_returned_output_us": per_output,
         "thunder_glue_us": a[1] - b[1] if 1 in a and 1 in b else None,
     }
-    return result

@@ -225,10 +225,11 @@ def _markdown_document(records: Sequence[Mapping[str, Any]], meta: Mapping[str, 
 
 
 def host_breakdown_text(breakdown: Mapping[str, Any]) -> str:
-    """The derived costs of the microbenchmark, one per line."""
+    """The derived costs of the microbenchmark (host time), one per line."""
     labels = {
-        "cudagraphex_overhead_per_region_us": "cudagraphex overhead per region (region call - graph.replay, k=1)",
+        "cudagraphex_overhead_per_region_us": "cudagraphex host cost per region (region call - graph.replay, k=1)",
         "per_copied_input_us": "per copied input (slope over k)",
+        "per_returned_output_us": "per returned output (the 100-output region over the 1-output one)",
         "thunder_glue_us": "Thunder prologue/epilogue + glue (thunder call - region call, k=1)",
     }
     lines = [f"- {label}: {_num(breakdown.get(key), '.2f')} µs" for key, label in labels.items()]

@@ -13,16 +13,19 @@ variant, mode after mode:
   ``max_memory_reserved`` over the setup and a few more calls, minus what was allocated / reserved before the variant
   built its model: the model, its gradients, activations, workspaces and graph pools (and what the compiled object
   keeps from the modes measured before), and nothing of the other variants.
-* ``median_us``: warm-up calls, then ``reps`` repetitions of a block of calls long enough to last ``rep_target_s``,
-  each block between two ``torch.cuda.synchronize``; the median over blocks of the time per call.
+* ``median_us``: timed after every variant of the workload has been set up and checked, mode by mode, in rounds:
+  each round times one block of calls of every variant, in the order they were set up, so that this VM's drift
+  (±50% between runs, minutes apart) affects all variants alike. A block is long enough to last ``rep_target_s``
+  and lies between two ``torch.cuda.synchronize``; ``median_us`` is the median over ``reps`` rounds of the time per
+  call. (``Options.interleaved=False`` times each variant right after its setup instead, as earlier runs did.)
 * ``in_graphs_us`` (graph variants): the part of that time spent inside the graph runners' calls
   (:func:`in_graphs_fraction`); the rest is Thunder around them.
 
-Why variants are not timed interleaved, although this VM's speed drifts: interleaving replays graphs captured before
-another variant ran, and ``torch.compile(mode="reduce-overhead")`` frees cuBLAS's workspaces when it warms up or
-records (``torch._inductor.cudagraph_trees.clear_cublas_manager``), which graphs captured earlier still use. Twice on
-the H200, interleaved timing ended in "illegal memory access" errors; that is the likeliest cause (details in
-``benchmarks/NOTES.md``).
+``torch.compile(mode="reduce-overhead")`` is set up first: it frees cuBLAS's workspaces when it records
+(``torch._inductor.cudagraph_trees.clear_cublas_manager``), and an earlier version of this suite, which set it up
+after the other graph variants and timed interleaved, ended twice in "illegal memory access" errors. A later test
+found no graph using a freed workspace, and interleaving with reduce-overhead set up first ran without error (details
+in ``benchmarks/NOTES.md``); the order is kept as a precaution.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from benchmarks.micro import MICRO_MEASUREMENTS, MICRO_WORKLOAD, run_micro
 from benchmarks.report import Record
 from benchmarks.variants import (
     GRAPH_VARIANTS,
@@ -66,13 +70,14 @@ SETUP_CALLS = 3
 MEMORY_CALLS = 3
 MAX_ITERS_PER_REP = 5000
 
-#: Variants in the order they are set up within a workload: cheap references first, then the comparisons this suite
-#: exists for. The microbenchmark, when asked for, runs before the workloads.
+#: Variants in the order they are set up within a workload: reduce-overhead, cheap references, then the comparisons
+#: this suite exists for. The microbenchmark, when asked for, runs before the workloads.
 TASK_ORDER = (
+    ("torch.compile(reduce-overhead)",),  # first: the module docstring says why
     ("eager", "manual-graph", "kernel-floor"),
     ("thunder+cudagraphex", "thunder+CUDAGraphTransform"),
     ("thunder", "thunder+cudagraphex(last)"),
-    ("torch.compile(reduce-overhead)", "thunder+cudagraphex+PruneParameterChecks", "torch.compile"),
+    ("thunder+cudagraphex+PruneParameterChecks", "torch.compile"),
     ("thunder+torchcompile+cudagraphex",),
 )
 
@@ -102,6 +107,8 @@ class Options:
     reps: int = 5
     quick: bool = False
     budget_s: float = 450.0
+    #: Time the variants of a workload in rounds after all are set up (the module docstring), not one by one.
+    interleaved: bool = True
 
     @property
     def warmup_calls(self) -> int:
@@ -316,6 +323,10 @@ class Suite:
         self.seconds_per_workload: dict[str, float] = {w.name: 0.0 for w in self.workloads}
         self.broken: str | None = None
         self._prepared: dict[str, Prepared | BaseException] = {}
+        #: The compiled objects of the current workload, in setup order, kept for interleaved timing.
+        self._compiled: list[tuple[str, Compiled | ManualGraph]] = []
+        #: (workload, mode, variant) -> the fraction of a call spent in graph runners, for interleaved timing.
+        self._in_graphs: dict[tuple[str, str, str], float] = {}
         self.graph_executor = _graph_executor(self.device)
         self.checkpoint: Callable[[list[Record]], object] = lambda records: None
 
@@ -327,7 +338,7 @@ class Suite:
     def num_measurements(self) -> int:
         """How many (workload, variant, mode) results the run will report (for a progress bar)."""
         per_variant = sum(len(self.modes_of(w)) for w in self.workloads)
-        micro = 9 if self.micro else 0
+        micro = MICRO_MEASUREMENTS if self.micro else 0
         return per_variant * len(self.variants) + micro
 
     def tasks(self) -> Iterable[tuple[str, Workload | None]]:
@@ -352,6 +363,9 @@ class Suite:
                 self._run_micro()
                 self.checkpoint(self.records)
             elif task == "done":
+                if self.options.interleaved:
+                    self._time_interleaved(workload)
+                self._compiled.clear()
                 self._prepared.clear()
                 with contextlib.suppress(Exception):
                     torch._dynamo.reset()
@@ -422,7 +436,10 @@ class Suite:
             else:
                 self._measure(record, compiled, prepared, base)
             self.records.append(record)
-            self.progress(f"{workload.name} {variant} {mode}")
+            if not self.options.interleaved:
+                self.progress(f"{workload.name} {variant} {mode}")
+        if self.options.interleaved:
+            self._compiled.append((variant, compiled))
         del compiled
         free_memory(self.device)
 
@@ -462,10 +479,11 @@ class Suite:
                 self._sync()
                 record.peak_mem_bytes = torch.cuda.max_memory_allocated(self.device) - base.allocated
                 record.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device) - base.reserved
-            if record.variant != "kernel-floor":
-                record.median_us = time_per_call_us(case.call, self._sync, self.options)
             if record.variant in (*GRAPH_VARIANTS, "thunder+CUDAGraphTransform"):
-                record.in_graphs_us = record.median_us * in_graphs_fraction(case.call, self._sync, self.options)
+                key = (record.workload, record.mode, record.variant)
+                self._in_graphs[key] = in_graphs_fraction(case.call, self._sync, self.options)
+            if record.variant != "kernel-floor" and not self.options.interleaved:
+                self._set_time(record, time_per_call_us(case.call, self._sync, self.options))
             if record.variant == "torch.compile(reduce-overhead)" and _cudagraph_skips() > skips_before:
                 notes.append("inductor skipped CUDA graphs for some graph (torch._dynamo counters: cudagraph_skips)")
             if record.variant in GRAPH_VARIANTS:
@@ -479,6 +497,58 @@ class Suite:
                     case.close()
             del case
         record.note = "; ".join(n for n in notes if n) or None
+
+    def _set_time(self, record: Record, median_us: float) -> None:
+        record.median_us = median_us
+        fraction = self._in_graphs.get((record.workload, record.mode, record.variant))
+        if fraction is not None:
+            record.in_graphs_us = median_us * fraction
+
+    def _time_interleaved(self, workload: Workload) -> None:
+        """Times the variants of ``workload`` set up without error, mode by mode, in rounds (the module docstring)."""
+        prepared = self._prepared.get(workload.name)
+        records = {(r.mode, r.variant): r for r in self.records if r.workload == workload.name}
+        start = time.monotonic()
+        for mode in self.modes_of(workload):
+            timed = [
+                (variant, compiled, records[(mode, variant)])
+                for variant, compiled in self._compiled
+                if variant != "kernel-floor" and records[(mode, variant)].error is None
+            ]
+            cases: dict[str, tuple[Case, int, Record]] = {}
+            try:
+                for variant, compiled, record in timed:
+                    if self.broken:
+                        break
+                    try:
+                        case = compiled.case(mode, prepared.setup.args(mode), prepared.grad_out)
+                        cases[variant] = (case, _iters_per_block(case.call, self._sync, self.options), record)
+                    except Exception as e:  # noqa: BLE001 - recorded; the other variants go on
+                        record.error = f"timing: {short_error(e)}"
+                        self._check_health(e, f"{workload.name} / {variant} / {mode}: timing")
+                times: dict[str, list[float]] = {variant: [] for variant in cases}
+                for _ in range(max(1, self.options.reps)):
+                    for variant, (case, iters, record) in cases.items():
+                        if record.error is not None or self.broken:
+                            continue
+                        try:
+                            times[variant].append(_block_us(case.call, iters, self._sync))
+                        except Exception as e:  # noqa: BLE001 - recorded; the other variants go on
+                            record.error = f"timing: {short_error(e)}"
+                            self._check_health(e, f"{workload.name} / {variant} / {mode}: timing")
+                for variant, (_, _, record) in cases.items():
+                    if record.error is None and times[variant]:
+                        self._set_time(record, statistics.median(times[variant]))
+            finally:
+                for case, _, _ in cases.values():
+                    with contextlib.suppress(Exception):
+                        case.close()
+                cases.clear()
+            for variant, _ in self._compiled:
+                self.progress(f"{workload.name} {variant} {mode}")
+        took = time.monotonic() - start
+        self.seconds_per_workload[workload.name] += took
+        self.log(f"{workload.name}: timed {len(self._compiled)} variant(s) interleaved in {took:.1f} s")
 
     def _check_health(self, error: BaseException, where: str) -> None:
         """After an error in ``where``: if the CUDA context no longer works, every later task is skipped (their
@@ -494,12 +564,10 @@ class Suite:
             self.log(f"the CUDA context failed after {where}; skipping the rest of the run")
 
     def _run_micro(self) -> None:
-        from benchmarks.micro import MICRO_WORKLOAD, run_micro
-
         if self.broken or not self.budget.fits(MICRO_COST_S):
             reason = f"skipped: the CUDA context failed earlier ({self.broken})" if self.broken else "skipped: budget"
             self.records.append(Record(MICRO_WORKLOAD, "inference", "thunder call k=1", error=reason))
-            for _ in range(9):
+            for _ in range(MICRO_MEASUREMENTS):
                 self.progress("micro skipped")
             return
         start = time.monotonic()

@@ -98,7 +98,8 @@ class RegionSpec:
     device: str
     #: "forward", "backward" or "computation" (a trace without backward).
     phase: str
-    #: Outputs the caller of the compiled function receives (forward outputs, gradients).
+    #: Outputs whose tensor object may reach the caller of the compiled function: forward outputs and gradients, and
+    #: the tensors that a symbol outside graphs may pass on to one as themselves (``contiguous``, an in-place op).
     returned: frozenset[str] = frozenset()
     #: Inputs the region may write in place.
     mutated: frozenset[str] = frozenset()
@@ -150,7 +151,11 @@ def _phases(trace: TraceCtx) -> Callable[[int], str]:
 
 
 def _returned_names(trace: TraceCtx) -> frozenset[str]:
-    """Names of the tensors the caller receives: forward outputs and gradients, not saved tensors or inputs."""
+    """Names of the tensors the caller receives: forward outputs, gradients and inputs, not saved tensors.
+
+    A trace that returns dicts (Thunder's computation, joint and forward traces) returns what its caller receives in
+    them; a forward trace returns its tensors saved for backward after them.
+    """
     ret = trace.bound_symbols[-1] if trace.bound_symbols else None
     if ret is None or ret.sym.id != prims.PrimIDs.RETURN:
         return frozenset()
@@ -158,8 +163,7 @@ def _returned_names(trace: TraceCtx) -> frozenset[str]:
     dicts = [a for a in ret.args if isinstance(a, dict)]
     if dicts:
         for d in dicts:
-            for key in ("output", "fw_flat_out", "flat_output"):
-                names.update(p.name for p in _flat_proxies(d.get(key)))
+            names.update(p.name for p in _flat_proxies(list(d.values())))
     else:
         names.update(p.name for p in _flat_proxies(ret.args))
     return frozenset(names)
@@ -246,8 +250,23 @@ class _Planner:
             plan = self._form(extra)
             hazards = self._hazards(plan)
             if not hazards:
+                self._mark_returned(plan)
                 return plan
             extra.update(hazards)
+
+    def _mark_returned(self, plan: Plan) -> None:
+        """Sets each region's ``returned``: its outputs that reach the trace's return through symbols outside graphs.
+
+        Any such symbol may return an input as itself (``contiguous`` of a contiguous tensor, ``shallow_copy``, an
+        in-place op), so its inputs count as returned wherever one of its outputs does. A graph hands out new tensors,
+        so nothing reaches through one.
+        """
+        names = set(self.returned)
+        for item in reversed(plan.sequence):
+            if not isinstance(item, RegionSpec) and any(p.name in names for p in item.flat_proxy_outs):
+                names.update(p.name for p in item.flat_proxy_args)
+        for spec in plan.regions:
+            spec.returned = frozenset(p.name for p in spec.outputs if p.name in names)
 
     def _form(self, extra: dict[int, str]) -> Plan:
         sequence: list = []
@@ -327,7 +346,6 @@ class _Planner:
             outputs=outputs,
             device=_device_of(ops[0][1]) or next(filter(None, map(_device_of, (b for _, b in ops))), "cpu"),
             phase=self.phase_of(ops[0][0]),
-            returned=frozenset(p.name for p in outputs if p.name in self.returned),
             mutated=frozenset(mutated),
             mutated_trace_inputs=frozenset(n for n in mutated if self._root_is_trace_input(n)),
             written=written,

@@ -19,16 +19,23 @@ Who owns which memory
     Graph memory (intermediates and outputs) lives in a pool. The graphs of one compiled function on one device share
     a pool and are captured on one stream in call order, so a later graph reuses the memory of an earlier graph's
     intermediates. Instances captured because the shared pool was busy (see below) get a pool of their own.
-    A graph keeps its outputs alive; those tensors are its *anchors*. Callers never receive an anchor: they receive a
-    new tensor aliasing the anchor's storage (no copy), or a copy for an output they were seen to hold across calls.
-    Input buffers are ordinary allocations owned by the graph. Everything is owned by the compiled function, through
-    its compile data, and is freed with it.
+    A graph keeps its outputs alive; those tensors are its *anchors*. An output the trace returns (a forward output,
+    a gradient) is never handed out as its anchor, because the caller may change its metadata (autograd sets
+    ``grad_fn`` on a forward output): it is handed out as a new tensor aliasing the anchor's storage (no copy), or as a
+    copy once the caller was seen to hold it across calls. An output the trace does not return (a tensor saved for
+    backward, an intermediate that a later symbol reads) is handed out as the anchor itself, which Thunder's code
+    only reads, passes on and saves; that spares a ``detach`` per output and replay. An output that aliases a static
+    input (a view of a parameter) is handed out as a new tensor on that input's storage. How each output is handed
+    out is decided once per instance (``_Instance.plan_handout``). Input buffers are ordinary allocations owned by
+    the graph. Everything is owned by the compiled function, through its compile data, and is freed with it.
 
 When a graph may be replayed
     A replay writes every storage the graph allocated during capture, and may write storages that graphs captured
     later in the same pool took from its freed intermediates. It may run only when each of those storages is
     referenced by anchors alone: no output the caller holds, no tensor saved for a pending backward, no gradient kept
-    in ``.grad``. The check is one sum of storage use counts against a precomputed baseline. When it fails, nothing is
+    in ``.grad``. The check is one sum of storage use counts against a precomputed baseline, and, for anchors handed
+    out as themselves (a holder of one does not raise its storage's use count), one sum of their Python reference
+    counts, which holders in C++ raise too. When it fails, nothing is
     overwritten: held outputs that the caller receives switch to copy-on-return, and the call replays another instance
     whose storages are free, captures one in a pool of its own, or runs eagerly.
 
@@ -43,6 +50,7 @@ Capture
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import warnings
 from collections import Counter
@@ -253,13 +261,17 @@ class _Instance:
             region,
         )
         del outputs
-        # Taken while nothing but anchors and input buffers references the output storages.
+        # Taken while nothing but anchors and input buffers references the output storages, and once every structure
+        # of ours that references an anchor handed out as itself exists (those structures never change).
         self.group_baseline = [_use_count(cd) for cd in self.group_cdata]
+        self.direct_baseline = self._direct_references()
 
         # Storages whose liveness gates this instance's replays: (cdata, baseline, owner instance, group).
         self.watched: list[tuple[int, int, _Instance, int]] = []
         self.watch_cdata: list[int] = []
         self.watch_baseline = 0
+        #: Instances (this one among them) whose anchors handed out as themselves gate this instance's replays.
+        self.watch_direct: list[_Instance] = []
 
     def _adopt_outputs(
         self,
@@ -294,25 +306,72 @@ class _Instance:
             self.group_of.append(g)
         groups = range(len(self.group_cdata))
         self.group_members = [[i for i, g in enumerate(self.group_of) if g == k] for k in groups]
-        self.group_returned = [
-            any(region.info.output_names[i] in region.info.returned for i in m) for m in self.group_members
-        ]
-        # Plain: no output aliases a static input, so each is handed out as its anchor's alias (or None).
-        self.plain = all(b is None for b in self.borrowed)
+        returned = [name in region.info.returned for name in region.info.output_names]
+        self.group_returned = [any(returned[i] for i in m) for m in self.group_members]
+        # Handed out as themselves: anchors of storages no returned output shares (saved for backward, intermediates).
+        direct = [i for i, a in enumerate(self.anchors) if a is not None and not self.group_returned[self.group_of[i]]]
+        self.direct = [self.anchors[i] for i in direct]
+        self.direct_group = [self.group_of[i] for i in direct]
+        self.template: list[torch.Tensor | None] = [None] * len(self.anchors)
+        for i in direct:
+            self.template[i] = self.anchors[i]
+        self.plan_handout()
+
+    def _direct_references(self) -> int:
+        # A holder in C++ (an autograd node, ctx.save_for_backward) counts too: while C++ shares a tensor, torch keeps
+        # a reference to its Python object (PyObject preservation).
+        return sum(map(sys.getrefcount, self.direct))
+
+    def direct_unreferenced(self) -> bool:
+        """Whether nothing but this instance references the anchors it hands out as themselves."""
+        return self._direct_references() == self.direct_baseline
+
+    def plan_handout(self) -> None:
+        """Decides how each output that is not handed out as its anchor is handed out, from the region's copies."""
+        copy = self.region.copy_output
+        #: (output index, anchor): handed out as ``anchor.detach()``
+        self.detached: list[tuple[int, torch.Tensor]] = []
+        #: (output index, static input index, (size, stride, offset)): a new tensor on the static input's storage
+        self.aliased = [(i, b[0], b[1]) for i, b in enumerate(self.borrowed) if b is not None]
+        #: (output index, anchor): handed out as ``anchor.clone()``
+        self.cloned: list[tuple[int, torch.Tensor]] = []
+        #: (an anchor of the storage, its members' (output index, anchor, (size, stride, offset))): one storage copy
+        self.storage_copies: list[tuple[torch.Tensor, list[tuple[int, torch.Tensor, tuple]]]] = []
+        for g, members in enumerate(self.group_members):
+            if not self.group_returned[g]:
+                continue
+            if not any(copy[i] for i in members):
+                self.detached += [(i, self.anchors[i]) for i in members]
+            elif len(members) == 1:
+                self.cloned.append((members[0], self.anchors[members[0]]))
+            else:
+                metas = [(i, a, (a.shape, a.stride(), a.storage_offset())) for i in members for a in [self.anchors[i]]]
+                self.storage_copies.append((self.anchors[members[0]], metas))
+        self.rebuilt = bool(self.aliased or self.cloned or self.storage_copies)
 
     def watch(self, other: _Instance) -> None:
         for g, cd in enumerate(other.group_cdata):
             self.watched.append((cd, other.group_baseline[g], other, g))
             self.watch_cdata.append(cd)
             self.watch_baseline += other.group_baseline[g]
+        if other.direct:
+            self.watch_direct.append(other)
 
     def free(self) -> bool:
         """Whether no storage this instance's replay writes is referenced by anything but anchors."""
-        return sum(map(_use_count, self.watch_cdata)) == self.watch_baseline or not PROTECTIONS["output_liveness"]
+        if not PROTECTIONS["output_liveness"]:
+            return True
+        if sum(map(_use_count, self.watch_cdata)) != self.watch_baseline:
+            return False
+        return all(other.direct_unreferenced() for other in self.watch_direct)
 
     def held(self) -> list[tuple[_Instance, int]]:
         """The (instance, output group) pairs whose storage someone still references."""
-        return [(owner, g) for cd, base, owner, g in self.watched if _use_count(cd) > base]
+        pairs = [(owner, g) for cd, base, owner, g in self.watched if _use_count(cd) > base]
+        for other in self.watch_direct:
+            if not other.direct_unreferenced():
+                pairs += [(other, g) for g in sorted(set(other.direct_group))]
+        return pairs
 
     def accepts(self, args: Sequence[torch.Tensor]) -> bool:
         """Whether ``args`` have this instance's copied-input signature and static addresses."""
@@ -334,7 +393,7 @@ class _Instance:
     def moved(self, args: Sequence[torch.Tensor]) -> list[int]:
         return [i for i in self.static if args[i].data_ptr() != self.static_ptrs[i]]
 
-    def replay(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def replay(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         if self.copied:
             dsts, srcs = [], []
             for i, buf, ptr, expanded in self.copied:
@@ -350,38 +409,22 @@ class _Instance:
         if self.copy_back and PROTECTIONS["copy_back_mutated_inputs"]:
             torch._foreach_copy_([args[i] for i, _ in self.copy_back], [buf for _, buf in self.copy_back])
         self.replays += 1
-        if self.plain and not self.region.copying:
-            # The None check costs ~1% of the detaches; _handout would cost twice as much (150 outputs, CPU).
-            return [None if a is None else a.detach() for a in self.anchors]
-        return self._handout(args)
-
-    def _handout(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        copies: dict[int, torch.UntypedStorage] = {}
-        out = []
-        for i, anchor in enumerate(self.anchors):
-            if anchor is None:
-                if self.borrowed[i] is None:
-                    out.append(None)
-                    continue
-                source, meta = self.borrowed[i]
-                out.append(_alias(args[source].untyped_storage(), args[source], meta))
-                continue
-            g = self.group_of[i]
-            if not any(self.region.copy_output[j] for j in self.group_members[g]):
-                out.append(anchor.detach())
-            elif len(self.group_members[g]) == 1:
-                out.append(anchor.clone())
-            else:
-                if g not in copies:
-                    copies[g] = anchor.untyped_storage().clone()
-                out.append(
-                    _alias(
-                        copies[g],
-                        anchor,
-                        (anchor.shape, anchor.stride(), anchor.storage_offset()),
-                    )
-                )
+        out = self.template.copy()
+        for i, anchor in self.detached:
+            out[i] = anchor.detach()
+        if self.rebuilt:
+            self._rebuild_outputs(out, args)
         return out
+
+    def _rebuild_outputs(self, out: list[torch.Tensor | None], args: Sequence[torch.Tensor]) -> None:
+        for i, source, meta in self.aliased:
+            out[i] = _alias(args[source].untyped_storage(), args[source], meta)
+        for i, anchor in self.cloned:
+            out[i] = anchor.clone()
+        for anchor, members in self.storage_copies:
+            storage = anchor.untyped_storage().clone()
+            for i, member, meta in members:
+                out[i] = _alias(storage, member, meta)
 
 
 class GraphedRegion:
@@ -407,7 +450,6 @@ class GraphedRegion:
         self.current: _Instance | None = None
         #: Outputs handed out as copies, because the caller was seen to keep them across calls.
         self.copy_output = [False] * len(info.output_names)
-        self.copying = False
         self.disabled_reason: str | None = None
         self.eager_calls: Counter[str] = Counter()
         self.demoted: list[str] = []
@@ -460,7 +502,8 @@ class GraphedRegion:
             else:
                 for i in members:
                     region.copy_output[i] = True
-                region.copying = True
+                for inst in region.instances:
+                    inst.plan_handout()
                 names = ", ".join(region.info.output_names[i] for i in members)
                 logger.info(
                     "%s: output %s was still referenced at a later call; it is returned as a copy from now on",
@@ -579,7 +622,10 @@ class GraphedRegion:
         self.eager_calls[reason] += 1
         if reason not in ("warm-up",):
             logger.debug("%s: running eagerly (%s)", self.name, reason)
-        return self.fn(*args)
+        out = self.fn(*args)
+        # An op may return its input as itself (contiguous): an anchor passed in must not be passed on to the caller.
+        passed = {id(a) for a in args if isinstance(a, torch.Tensor)}
+        return [o.detach() if id(o) in passed else o for o in out]
 
 
 def _version(t: torch.Tensor | None) -> int | None:

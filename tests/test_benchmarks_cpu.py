@@ -158,22 +158,27 @@ def test_chart_is_written(tmp_path):
     assert png.startswith(b"\x89PNG") and len(png) > 1000
 
 
-def test_measuring_code_on_the_cpu_with_the_emulated_backend():
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_measuring_code_on_the_cpu_with_the_emulated_backend(interleaved):
     """The GPU run's code path (build, eager reference, compile, check, time), on the CPU: CUDA-only variants record
     their error and the run goes on."""
     from benchmarks.suite import Options, Suite
 
+    progress, log = [], []
     suite = Suite(
         ["mlp16x256-b8"],
         ["inference", "train_bwd"],
         ["eager", "thunder+cudagraphex", "manual-graph"],
-        Options(reps=2, quick=True, budget_s=0),
+        Options(reps=2, quick=True, budget_s=0, interleaved=interleaved),
         micro=True,
         device=torch.device("cpu"),
-        log=lambda line: None,
+        progress=progress.append,
+        log=log.append,
     )
-    assert suite.num_measurements() == 2 * 3 + 9
+    assert suite.num_measurements() == 2 * 3 + 12
     records = {(r.workload, r.mode, r.variant): r for r in suite.run()}
+    assert len(progress) == suite.num_measurements()
+    assert any("interleaved" in line for line in log) == interleaved
 
     for mode in ("inference", "train_bwd"):
         for variant in ("eager", "thunder+cudagraphex"):
@@ -187,9 +192,15 @@ def test_measuring_code_on_the_cpu_with_the_emulated_backend():
             assert records[("mlp16x256-b8", mode, "manual-graph")].error  # needs CUDA: recorded, not raised
 
     micro = [r for r in records.values() if r.workload == "micro-100ops"]
-    assert len(micro) == 9 and all(r.error is None and r.median_us > 0 for r in micro)
+    assert len(micro) == 12 and all(r.error is None and r.correct is not False and r.median_us > 0 for r in micro)
+    assert any("100 output(s)" in (r.note or "") for r in micro)
     breakdown = suite.host_breakdown
-    for key in ("cudagraphex_overhead_per_region_us", "per_copied_input_us", "thunder_glue_us"):
+    for key in (
+        "cudagraphex_overhead_per_region_us",
+        "per_copied_input_us",
+        "per_returned_output_us",
+        "thunder_glue_us",
+    ):
         assert isinstance(breakdown[key], float)
 
 

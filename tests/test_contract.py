@@ -17,7 +17,7 @@ import torch
 from thunder.extend import OperatorExecutor, register_executor
 
 from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
-from cudagraphex import CUDAGraphExecutor, StrictModeError
+from cudagraphex import CUDAGraphExecutor, StrictModeError, runtime
 from cudagraphex.capture import is_capturing
 from cudagraphex.static_inputs import InputKind
 from tests.helpers import (
@@ -45,6 +45,58 @@ def test_inference_loop_keeps_every_output(backend):
             torch.testing.assert_close(out, model(x))
             torch.testing.assert_close(view, model(x)[0])
     assert replays(jm, backend.executor) >= 3
+
+
+class _Keeps(CUDAGraphExecutor):
+    """Keeps the symbols whose name contains ``kept`` out of graphs."""
+
+    def __init__(self, name: str, kept: str, **kwargs):
+        super().__init__(name, **kwargs)
+        self.kept = kept
+
+    def can_fuse(self, bsym):
+        return self.kept not in bsym.sym.name and super().can_fuse(bsym)
+
+
+def passed_on_as_itself(x):
+    return (x * 2 + 1).contiguous()  # contiguous of a contiguous tensor returns that tensor
+
+
+def test_output_passed_on_as_itself_by_an_eager_op_is_not_the_graphs_own(backend):
+    """The caller changes what it receives in place (metadata too); the graph's next output must not change."""
+    ex = _Keeps(f"cudagraphex_eager_contiguous_{backend.name}", "contiguous", backend=backend.executor.options.backend)
+    jf = jit(passed_on_as_itself, ex)
+    for _ in range(4):
+        x = torch.randn(4, 3, device=backend.device)
+        out = jf(x)
+        torch.testing.assert_close(out, passed_on_as_itself(x))
+        out.t_()
+        del out
+    assert replays(jf, ex) >= 2
+
+
+def read_by_an_eager_op_and_passed_on(x):
+    y = x * 2 + 1
+    v = torch.sin(y)  # eager: reads the first graph's output y
+    return y.contiguous(), v * 2 + 1  # one graph; run eagerly, contiguous returns y itself
+
+
+def test_graph_output_passed_on_by_a_region_running_eagerly_is_not_the_graphs_own(backend):
+    ex = _Keeps(f"cudagraphex_eager_sin_{backend.name}", "sin", backend=backend.executor.options.backend)
+    jf = jit(read_by_an_eager_op_and_passed_on, ex)
+    for i in range(5):
+        x = torch.randn(4, 3, device=backend.device)
+        y, w = jf(x)
+        for got, expected in zip((y, w), read_by_an_eager_op_and_passed_on(x), strict=True):
+            torch.testing.assert_close(got, expected)
+        if i == 1:
+            # Kept: the first graph captures another instance, which the second region receives at a new address
+            # and runs eagerly with once.
+            kept = y
+        else:
+            y.t_()
+    assert kept.shape == (4, 3)
+    assert replays(jf, ex) >= 2
 
 
 _declares_more = OperatorExecutor("cudagraphex_test_declares_more")
@@ -194,6 +246,65 @@ def test_saved_tensor_protection_bites():
     assert two_forward_grads_match(emulated)
     with protection_off("output_liveness"):
         assert not two_forward_grads_match(emulated)
+
+
+def test_saved_tensors_are_handed_out_as_their_anchors():
+    jm = jit(mlp(2, 16), emulated)
+    for _ in range(3):
+        jm(torch.randn(4, 16)).square().mean().backward()
+    (forward,) = regions(jm, emulated, "forward")
+    (inst,) = forward.instances
+    names = forward.info.output_names
+    handed_as_anchor = {names[i] for i, t in enumerate(inst.template) if t is not None}
+    assert handed_as_anchor and handed_as_anchor.isdisjoint(forward.info.returned)
+    assert {names[i] for i, _ in inst.detached} == set(forward.info.returned)
+
+
+def test_saved_anchor_liveness_bites(monkeypatch):
+    """Storage use counts do not see a saved tensor handed out as its anchor: its own reference counts must."""
+    assert two_forward_grads_match(emulated)
+    monkeypatch.setattr(runtime._Instance, "direct_unreferenced", lambda self: True)
+    assert not two_forward_grads_match(emulated)
+
+
+def test_saved_tensors_kept_only_by_an_autograd_node_survive(backend):
+    """A tensor that only C++ holds (an autograd node that saved it) still counts as referenced."""
+    jm = jit(mlp(2, 16).to(backend.device), backend.executor)
+    w = torch.ones((), device=backend.device, requires_grad=True)
+    stash, kept = [], []
+    for _ in range(4):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: stash.append(t), lambda _: None):
+            jm(torch.randn(4, 16, device=backend.device))
+        with torch.enable_grad():
+            kept += [(w * t, t.clone()) for t in stash]  # MulBackward saves t for the gradient of w
+        stash.clear()
+    assert len(kept) > 4
+    for product, snapshot in kept:
+        (grad,) = torch.autograd.grad(product, w, torch.ones_like(product))
+        torch.testing.assert_close(grad, snapshot.sum())
+
+
+def test_saved_tensors_kept_by_a_pack_hook_survive(backend):
+    """A saved-tensor hook keeps the Python object, whose reference count the liveness check reads."""
+    model = mlp(3, 16).to(backend.device)
+    reference = twin(model)
+    jm = jit(model, backend.executor)
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return len(kept) - 1
+
+    for _ in range(3):
+        kept.clear()
+        a, b = (torch.randn(4, 16, device=backend.device) for _ in range(2))
+        with torch.autograd.graph.saved_tensors_hooks(pack, kept.__getitem__):
+            loss = jm(a).square().mean() + jm(b).square().mean()
+        loss.backward()
+        (reference(a).square().mean() + reference(b).square().mean()).backward()
+        assert_grads_close(model, reference)
+        model.zero_grad()
+        reference.zero_grad()
 
 
 # -- 3. in-place updates of inputs are visible and applied exactly once per call -------------------------------------
