@@ -12,7 +12,9 @@ variant, mode after mode:
 * ``peak_mem_bytes`` / ``peak_reserved_bytes``: the peak of ``torch.cuda.max_memory_allocated`` /
   ``max_memory_reserved`` over the setup and a few more calls, minus what was allocated / reserved before the variant
   built its model: the model, its gradients, activations, workspaces and graph pools (and what the compiled object
-  keeps from the modes measured before), and nothing of the other variants.
+  keeps from the modes measured before), and nothing of the other variants. (With interleaved timing, cuBLAS's
+  workspaces are released before the workload's first variant only, so a variant's peak leaves out a workspace that
+  a variant set up before it allocated.)
 * ``median_us``: timed after every variant of the workload has been set up and checked, mode by mode, in rounds:
   each round times one block of calls of every variant, in the order they were set up, so that this VM's drift
   (±50% between runs, minutes apart) affects all variants alike. A block is long enough to last ``rep_target_s``
@@ -439,9 +441,14 @@ class Suite:
             if not self.options.interleaved:
                 self.progress(f"{workload.name} {variant} {mode}")
         if self.options.interleaved:
+            # Kept for timing. The graphs of the variants kept so far still run later, so cuBLAS's workspaces and the
+            # allocator's cached blocks stay where they are until the workload is done.
             self._compiled.append((variant, compiled))
-        del compiled
-        free_memory(self.device)
+            del compiled
+            gc.collect()
+        else:
+            del compiled
+            free_memory(self.device)
 
     def _measure(self, record: Record, compiled: Compiled | ManualGraph, prepared: Prepared, base: _MemoryBase) -> None:
         """The measurements of the module docstring for one mode (kernel-floor: its GPU time instead)."""
