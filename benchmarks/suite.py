@@ -23,11 +23,12 @@ variant, mode after mode:
 * ``in_graphs_us`` (graph variants): the part of that time spent inside the graph runners' calls
   (:func:`in_graphs_fraction`); the rest is Thunder around them.
 
-``torch.compile(mode="reduce-overhead")`` is set up first: it frees cuBLAS's workspaces when it records
-(``torch._inductor.cudagraph_trees.clear_cublas_manager``), and an earlier version of this suite, which set it up
-after the other graph variants and timed interleaved, ended twice in "illegal memory access" errors. A later test
-found no graph using a freed workspace, and interleaving with reduce-overhead set up first ran without error (details
-in ``benchmarks/NOTES.md``); the order is kept as a precaution.
+``torch.compile(mode="reduce-overhead")`` is set up first, and timed right after its setup (``TIMED_AT_SETUP``):
+interleaved timing makes a second case of each compiled model, and reduce-overhead's second ``train_bwd`` case
+failed in CUDA-graph trees ("invalid device pointer"). Set up first because it frees cuBLAS's workspaces when it
+records (``torch._inductor.cudagraph_trees.clear_cublas_manager``). Between the variants of an interleaved workload,
+neither cuBLAS's workspaces nor the allocator's cached blocks are released, since the graphs set up so far run again
+later; an earlier version that released them ended in "illegal memory access" errors (``benchmarks/NOTES.md``).
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ _VARIANT_COST = {
     "thunder+torchcompile+cudagraphex": 2.0,
 }
 MICRO_COST_S = 15.0
+#: Variants timed right after their setup even in an interleaved run: timing needs a second case of the compiled
+#: model, and a second train_bwd case of reduce-overhead's failed in CUDA-graph trees ("invalid device pointer", H200).
+TIMED_AT_SETUP = frozenset({"torch.compile(reduce-overhead)"})
 
 
 @dataclass(frozen=True)
@@ -489,7 +493,7 @@ class Suite:
             if record.variant in (*GRAPH_VARIANTS, "thunder+CUDAGraphTransform"):
                 key = (record.workload, record.mode, record.variant)
                 self._in_graphs[key] = in_graphs_fraction(case.call, self._sync, self.options)
-            if record.variant != "kernel-floor" and not self.options.interleaved:
+            if record.variant != "kernel-floor" and (not self.options.interleaved or record.variant in TIMED_AT_SETUP):
                 self._set_time(record, time_per_call_us(case.call, self._sync, self.options))
             if record.variant == "torch.compile(reduce-overhead)" and _cudagraph_skips() > skips_before:
                 notes.append("inductor skipped CUDA graphs for some graph (torch._dynamo counters: cudagraph_skips)")
@@ -520,7 +524,9 @@ class Suite:
             timed = [
                 (variant, compiled, records[(mode, variant)])
                 for variant, compiled in self._compiled
-                if variant != "kernel-floor" and records[(mode, variant)].error is None
+                if variant != "kernel-floor"
+                and variant not in TIMED_AT_SETUP
+                and records[(mode, variant)].error is None
             ]
             cases: dict[str, tuple[Case, int, Record]] = {}
             try:

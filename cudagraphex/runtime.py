@@ -359,11 +359,11 @@ class _Instance:
 
     def free(self) -> bool:
         """Whether no storage this instance's replay writes is referenced by anything but anchors."""
-        if not PROTECTIONS["output_liveness"]:
+        if sum(map(_use_count, self.watch_cdata)) == self.watch_baseline and (
+            not self.watch_direct or all(other.direct_unreferenced() for other in self.watch_direct)
+        ):
             return True
-        if sum(map(_use_count, self.watch_cdata)) != self.watch_baseline:
-            return False
-        return all(other.direct_unreferenced() for other in self.watch_direct)
+        return not PROTECTIONS["output_liveness"]
 
     def held(self) -> list[tuple[_Instance, int]]:
         """The (instance, output group) pairs whose storage someone still references."""
@@ -400,7 +400,9 @@ class _Instance:
                 if args[i].data_ptr() != ptr:
                     dsts.append(buf)
                     srcs.append(unexpand(args[i], expanded) if expanded else args[i])
-            if dsts:
+            if len(dsts) == 1:  # a third cheaper on the host than a foreach of one
+                dsts[0].copy_(srcs[0])
+            elif dsts:
                 torch._foreach_copy_(dsts, srcs)
         if self.emulated:
             self.graph.replay(args)
