@@ -20,8 +20,8 @@ variant, mode after mode:
   (±50% between runs, minutes apart) affects all variants alike. A block is long enough to last ``rep_target_s``
   and lies between two ``torch.cuda.synchronize``; ``median_us`` is the median over ``reps`` rounds of the time per
   call. (``Options.interleaved=False`` times each variant right after its setup instead, as earlier runs did.)
-* ``in_graphs_us`` (graph variants): the part of that time spent inside the graph runners' calls
-  (:func:`in_graphs_fraction`); the rest is Thunder around them.
+* ``in_graphs_us`` (graph variants): the part of that time spent inside the graph runners' calls: the fraction
+  :func:`in_graphs_fraction` measures right after the setup, times ``median_us``; the rest is Thunder around them.
 
 ``torch.compile(mode="reduce-overhead")`` is set up first, and timed right after its setup (``TIMED_AT_SETUP``):
 interleaved timing makes a second case of each compiled model, and reduce-overhead's second ``train_bwd`` case
