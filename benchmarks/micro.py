@@ -118,7 +118,8 @@ def run_micro(
     sync: Callable[[], None],
     progress: Callable[[str], None] = lambda label: None,
 ) -> tuple[list[Record], dict]:
-    """Measures (a), (b) and (c) for every k in ``K_VALUES``; returns the records and the derived host breakdown.
+    """Measures (a), (b) and (c) for every k in ``K_VALUES`` and for ``hundred_outputs``; returns the records and the
+    derived host breakdown.
 
     ``executor`` is the cudagraphex executor (an emulating one on the CPU, where (c) replays the emulation). Errors
     are recorded per measurement; the breakdown holds None where its inputs are missing.
