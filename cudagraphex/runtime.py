@@ -10,8 +10,10 @@ What is static
     compared with the current inputs in one C++ call, and a graph is never replayed against a moved static input: the
     runtime captures another instance for the new addresses, or demotes the input to a copied one (see ``_on_moved``).
     Graphs hold the addresses of static inputs, not the tensors, so replacing a parameter frees the old one.
-    Every other tensor input is *copied*: one batched copy moves it into a buffer the graph owns, skipped for an input
-    that already is that buffer; if the graph writes that input in place, the buffer is copied back after the replay.
+    Every other tensor input is *copied*: one batched copy moves it into a buffer the graph owns, after one C++ check
+    that each has the shape, strides, dtype and device it was captured with; if the graph writes that input in place,
+    the buffer is copied back after the replay. An input that is a view of its own buffer (an output of the graph
+    passed back in) never reaches a replay: it references a storage the replay writes (see below).
     A tensor that the trace declares but that is None at run time (flash attention's ``cum_seq_q`` outside varlen)
     passes through as None: an input is part of the graph's signature, an output is handed out as None.
 
@@ -56,9 +58,11 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import torch
+from torch._C._dynamo.guards import TensorGuards
 
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.capture import (
@@ -189,6 +193,16 @@ def _signature(args: Sequence[Any]) -> tuple:
     )
 
 
+def _picker(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
+    """A function that picks the items at ``indices`` of a sequence, as a tuple (in C where it can)."""
+    if len(indices) > 1:
+        return itemgetter(*indices)
+    if indices:
+        only = indices[0]
+        return lambda args: (args[only],)
+    return lambda args: ()
+
+
 def _input_buffer(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """A buffer for copied input ``a``, the tensor the graph reads (same strides as ``a``), and ``a``'s expanded dims.
 
@@ -230,14 +244,30 @@ class _Instance:
         copied = [i for i in range(n) if kinds[i] is InputKind.COPIED]
         self.values = [(i, args[i]) for i in range(n) if kinds[i] is InputKind.HOST_VALUE]
         self.copied_meta = [(i, args[i].shape, args[i].stride(), args[i].dtype) for i in copied]
+        #: Checks in one C++ call that the copied inputs have the dtype, shape, strides, device, requires_grad and
+        #: dispatch keys they had at capture (a mismatch sends the call to the slow path, which decides).
+        self.copied_guard = (
+            TensorGuards(
+                *(args[i] for i in copied),
+                dynamic_dims_sizes=[list(args[i].shape) for i in copied],
+                dynamic_dims_strides=[list(args[i].stride()) for i in copied],
+            )
+            if copied
+            else None
+        )
+        self.pick_copied = _picker(copied)
         graph_args = list(args)
-        #: (input index, buffer, address the graph reads, expanded dims to narrow the input to before copying)
-        self.copied: list[tuple[int, torch.Tensor, int, tuple[int, ...]]] = []
+        #: Per copied input, the buffer the graph reads it from, and the dims along which it is expanded (its buffer
+        #: holds one element along each).
+        self.buffers: list[torch.Tensor] = []
+        self.expanded_dims: list[tuple[int, ...]] = []
         for i in copied:
             buf, graph_args[i], expanded = _input_buffer(args[i])
             buf.copy_(unexpand(args[i], expanded))
-            self.copied.append((i, buf, graph_args[i].data_ptr(), expanded))
-        self.copy_back = [(i, buf) for i, buf, _, _ in self.copied if i in region.mutated_idx]
+            self.buffers.append(buf)
+            self.expanded_dims.append(expanded)
+        self.any_expanded = any(self.expanded_dims)
+        self.copy_back = [(i, buf) for i, buf in zip(copied, self.buffers, strict=True) if i in region.mutated_idx]
 
         before = region.backend.reserved_bytes(region.device)
         start = time.perf_counter()
@@ -373,17 +403,18 @@ class _Instance:
                 pairs += [(other, g) for g in sorted(set(other.direct_group))]
         return pairs
 
-    def accepts(self, args: Sequence[torch.Tensor]) -> bool:
-        """Whether ``args`` have this instance's copied-input signature and static addresses."""
-        if PROTECTIONS["signature_guard"]:
-            for i, shape, stride, dtype in self.copied_meta:
-                a = args[i]
-                if a.shape != shape or a.stride() != stride or a.dtype != dtype:
-                    return False
-            for i, value in self.values:
-                if args[i] != value:
-                    return False
-        return self.statics_match(args)
+    def fitting_copied_inputs(self, args: Sequence[Any]) -> tuple[torch.Tensor, ...] | None:
+        """The copied inputs of ``args`` if ``args`` have this instance's copied-input signature, host values and static
+        addresses; None otherwise. Reads no protection switch: the slow path, which a None sends the call to, does."""
+        copied = self.pick_copied(args)
+        if self.copied_guard is not None and not self.copied_guard.check(*copied):
+            return None
+        for i, value in self.values:
+            if args[i] != value:
+                return None
+        if self.static and not _ptrs_equal(list(args), self.static_ptrs, self.static):
+            return None
+        return copied
 
     def statics_match(self, args: Sequence[torch.Tensor]) -> bool:
         if not self.static or not PROTECTIONS["static_address_guard"]:
@@ -393,17 +424,14 @@ class _Instance:
     def moved(self, args: Sequence[torch.Tensor]) -> list[int]:
         return [i for i in self.static if args[i].data_ptr() != self.static_ptrs[i]]
 
-    def replay(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-        if self.copied:
-            dsts, srcs = [], []
-            for i, buf, ptr, expanded in self.copied:
-                if args[i].data_ptr() != ptr:
-                    dsts.append(buf)
-                    srcs.append(unexpand(args[i], expanded) if expanded else args[i])
-            if len(dsts) == 1:  # a third cheaper on the host than a foreach of one
-                dsts[0].copy_(srcs[0])
-            elif dsts:
-                torch._foreach_copy_(dsts, srcs)
+    def replay(self, args: Sequence[torch.Tensor], copied: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Copies ``copied`` (the copied inputs of ``args``) into the graph, replays it and hands out its outputs."""
+        if self.any_expanded:
+            copied = [unexpand(a, dims) for a, dims in zip(copied, self.expanded_dims, strict=True)]
+        if len(self.buffers) == 1:  # a third cheaper on the host than a foreach of one
+            self.buffers[0].copy_(copied[0])
+        elif self.buffers:
+            torch._foreach_copy_(self.buffers, copied)
         if self.emulated:
             self.graph.replay(args)
         else:
@@ -466,8 +494,10 @@ class GraphedRegion:
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         inst = self.current
-        if inst is not None and inst.accepts(args) and inst.free():
-            return inst.replay(args)
+        if inst is not None:
+            copied = inst.fitting_copied_inputs(args)
+            if copied is not None and inst.free():
+                return inst.replay(args, copied)
         return self._dispatch(args)
 
     # -- the slow path ------------------------------------------------------------------------------------------------
@@ -481,7 +511,7 @@ class GraphedRegion:
         for c in matching:
             if c.free():
                 self.current = c
-                return c.replay(args)
+                return c.replay(args, c.pick_copied(args))
         if not candidates:
             self._calls_per_key[key] += 1
             if self._calls_per_key[key] <= self.options.warmup_calls:
@@ -603,7 +633,7 @@ class GraphedRegion:
             inst.capture_seconds * 1e3,
             "" if pool.shared else ", in a pool of its own",
         )
-        return inst.replay(args)
+        return inst.replay(args, inst.pick_copied(args))
 
     def _warmup(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The eager warm-up call; also catches in-place writes the trace analysis missed, via version counters."""

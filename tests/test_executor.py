@@ -17,6 +17,7 @@ import cudagraphex.executor as executor_module
 from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
 from cudagraphex import CUDAGraphExecutor, cudagraphex
 from cudagraphex.regions import RegionSpec, refused_rematerialization
+from cudagraphex.runtime import GraphedRegion
 from cudagraphex.static_inputs import InputKind
 from tests.helpers import assert_grads_close, emulated, graphs, jit, num_graphs, regions, replays, twin
 
@@ -308,6 +309,47 @@ def test_expanded_input_whose_buffer_an_output_aliases_is_replayed(backend):
         torch.testing.assert_close(jf(x, w)[1], x.t())
     # Once nothing holds its outputs, the first graph is replayed again instead of running the region eagerly.
     assert replays(jf, backend.executor) >= 7
+
+
+def test_input_that_is_a_view_of_its_buffer_is_never_replayed_over(backend):
+    # The graph returns a view of its input's buffer. Passed back in, that view references the buffer's storage, which
+    # the graph writes: the liveness check runs the call eagerly, so the input is never copied onto itself.
+    def f(x, w):
+        return x * w + 1, x.t()
+
+    jf = jit(f, backend.executor)
+    w = torch.randn(4, 8, device=backend.device)
+    for _ in range(3):
+        jf(torch.randn(4, 8, device=backend.device), w)
+    _, transposed = jf(torch.randn(4, 8, device=backend.device), w)
+    x_again = transposed.t()
+    assert x_again.untyped_storage().data_ptr() == regions(jf, backend.executor)[0].instances[0].buffers[0].data_ptr()
+    expected = x_again * w + 1
+    out, _ = jf(x_again, w)
+    torch.testing.assert_close(out, expected)
+    region = regions(jf, backend.executor)[0]
+    assert region.eager_calls["outputs still referenced"] == 1
+    assert replays(jf, backend.executor) == 3
+
+
+def test_call_that_fails_the_cxx_input_guard_replays_through_the_slow_path(backend, monkeypatch):
+    # The C++ guard of copied inputs also compares dispatch keys, which inference mode changes; the signature does not.
+    def f(x):
+        return torch.sin(x) * 2 + 1
+
+    jf = jit(f, backend.executor)
+    with torch.no_grad():
+        for _ in range(3):
+            jf(torch.randn(8, device=backend.device))
+    slow_calls = []
+    dispatch = GraphedRegion._dispatch
+    monkeypatch.setattr(GraphedRegion, "_dispatch", lambda self, args: slow_calls.append(1) or dispatch(self, args))
+    with torch.inference_mode():
+        x = torch.randn(8, device=backend.device)
+        torch.testing.assert_close(jf(x), f(x))
+    assert slow_calls == [1]
+    assert num_graphs(jf, backend.executor) == 1
+    assert replays(jf, backend.executor) == 3
 
 
 def test_graphs_die_with_the_compiled_function(backend):
