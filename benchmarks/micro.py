@@ -13,7 +13,9 @@ A second function, ``hundred_outputs``, returns each of its 100 ops' results, so
 
 Every time is *host* time: a block of calls starts on an idle GPU and ends when its last call returns, without waiting
 for the GPU, whose work queues up. (Timed with a synchronize at the end, the 100 kernels, ~94 µs on an H200, would set
-the pace and hide the host's work.)
+the pace and hide the host's work.) Each measurement is the median of its blocks, and the blocks are interleaved: every
+round times one block of every measurement, so that a slow stretch of the host (the first seconds of a fresh machine,
+say) touches all of them alike.
 
 Derived, in microseconds: host cost per region = (b) - (c) at k=1; per copied input = the least-squares slope of
 (b) - (c) over k; per returned output = the extra (b) - (c) of ``hundred_outputs`` over ``hundred_ops`` at k=1, per
@@ -49,6 +51,10 @@ _WAYS = ("thunder call", "region call", "graph.replay")
 MICRO_MEASUREMENTS = 3 * (len(K_VALUES) + 1)
 #: Calls per timed block: few enough that the GPU's queue never fills, so the host never waits for it.
 _CALLS_PER_BLOCK = 20
+#: Rounds of blocks per repetition the suite asks for (a block lasts well under a millisecond), and untimed calls of
+#: every measurement before the first round.
+_ROUNDS_PER_REP = 6
+_WARMUP_CALLS = 3
 
 
 def hundred_ops(*xs: torch.Tensor) -> torch.Tensor:
@@ -74,20 +80,14 @@ def hundred_outputs(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(outs)
 
 
-def host_time_per_call_us(call: Callable[[], None], sync: Callable[[], None], reps: int) -> float:
-    """The median over ``reps`` blocks of the host time per call, in microseconds: each block starts on an idle GPU
-    and ends when its last call returns, without waiting for the GPU."""
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(max(1, reps)):
-        sync()
-        start = time.perf_counter()
-        for _ in range(_CALLS_PER_BLOCK):
-            call()
-        times.append((time.perf_counter() - start) / _CALLS_PER_BLOCK * 1e6)
+def host_time_per_call_us(call: Callable[[], None], sync: Callable[[], None]) -> float:
+    """The host time per call, in microseconds, of one block of calls that starts on an idle GPU and ends when its
+    last call returns, without waiting for the GPU."""
     sync()
-    return statistics.median(times)
+    start = time.perf_counter()
+    for _ in range(_CALLS_PER_BLOCK):
+        call()
+    return (time.perf_counter() - start) / _CALLS_PER_BLOCK * 1e6
 
 
 def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -127,27 +127,44 @@ def run_micro(
     from benchmarks.suite import short_error
 
     records: list[Record] = []
-    medians: dict[str, dict[int | str, float]] = {name: {} for name in _WAYS}
     cases: list[tuple[int | str, Callable, int]] = [(k, hundred_ops, k) for k in K_VALUES]
     cases.append((_OUTPUTS, hundred_outputs, 1))
+    #: (case key, way, record, call) of every measurement that could be prepared
+    timed: list[tuple[int | str, str, Record, Callable[[], None]]] = []
     for key, fn, k in cases:
         label = f"k={key}" if isinstance(key, int) else key
         group = [Record(MICRO_WORKLOAD, "inference", f"{name} {label}") for name in _WAYS]
         try:
             calls = _prepare(fn, k, executor, device, sync, group)
-            for record, name in zip(group, _WAYS, strict=True):
-                try:
-                    with torch.no_grad():  # the grad mode the function was compiled and captured in
-                        record.median_us = host_time_per_call_us(calls[name], sync, options.reps)
-                    medians[name][key] = record.median_us
-                except Exception as e:  # noqa: BLE001 - recorded; the other measurements go on
-                    record.error = short_error(e)
+            timed += [(key, name, record, calls[name]) for record, name in zip(group, _WAYS, strict=True)]
         except Exception as e:  # noqa: BLE001 - recorded for the whole group
             for record in group:
                 record.error = record.error or short_error(e)
         records += group
-        for record in group:
-            progress(f"{MICRO_WORKLOAD} {record.variant}")
+    blocks: dict[int, list[float]] = {id(record): [] for _, _, record, _ in timed}
+    failed: set[int] = set()
+    # Every measurement gets one block per round, so that a slow stretch of the host touches all of them alike.
+    with torch.no_grad():  # the grad mode the functions were compiled and captured in
+        for _ in range(_WARMUP_CALLS):
+            for _, _, _, call in timed:
+                call()
+        for _ in range(max(1, options.reps) * _ROUNDS_PER_REP):
+            for _, _, record, call in timed:
+                if id(record) in failed:
+                    continue
+                try:
+                    blocks[id(record)].append(host_time_per_call_us(call, sync))
+                except Exception as e:  # noqa: BLE001 - recorded; the other measurements go on
+                    record.error = short_error(e)
+                    failed.add(id(record))
+    sync()
+    medians: dict[str, dict[int | str, float]] = {name: {} for name in _WAYS}
+    for key, name, record, _ in timed:
+        if id(record) not in failed:
+            record.median_us = statistics.median(blocks[id(record)])
+            medians[name][key] = record.median_us
+    for record in records:
+        progress(f"{MICRO_WORKLOAD} {record.variant}")
     return records, _breakdown(medians)
 
 
