@@ -129,7 +129,7 @@ def run_micro(
     records: list[Record] = []
     cases: list[tuple[int | str, Callable, int]] = [(k, hundred_ops, k) for k in K_VALUES]
     cases.append((_OUTPUTS, hundred_outputs, 1))
-    #: (case key, way, record, call) of every measurement that could be prepared
+    # (case key, way, record, call) of every measurement that could be prepared
     timed: list[tuple[int | str, str, Record, Callable[[], None]]] = []
     for key, fn, k in cases:
         label = f"k={key}" if isinstance(key, int) else key
