@@ -1,8 +1,9 @@
 """Microbenchmark: the host cost cudagraphex adds to a replay.
 
 One region of 100 small pointwise ops (50 x ``y = y * 1.0001``, ``y = y + 0.0001`` on 1024 floats), whose inputs are
-k tensors (summed first, so all k are inputs of the region and copied into the graph on every call), replayed three
-ways on the same captured graph:
+k tensors (summed first, so all k are inputs of the region and copied into the graph on every call: the warm-up call
+gets copies of them, so they are not where they were at the warm-up when the graph is captured, which would have the
+graph read them in place), replayed three ways on the same captured graph:
 
 (a) ``thunder call``: the compiled Thunder function (prologue checks, the region, epilogue);
 (b) ``region call``: the ``GraphedRegion`` called directly with the region's inputs (guards, the batched input copy,
@@ -184,14 +185,19 @@ def _prepare(
     with torch.no_grad():
         sync()
         start = time.perf_counter()
-        for _ in range(3):  # warm-up, capture + replay, replay
+        moved = [x.clone() for x in xs]
+        jfn(*moved)  # the warm-up
+        for _ in range(2):  # capture + replay, replay
             jfn(*xs)
         sync()
+        del moved
         group[0].setup_s = time.perf_counter() - start
         regions = thunder.compile_data(jfn)._cudagraphex[executor.name].regions()
         if len(regions) != 1 or not regions[0].instances:
             raise RuntimeError(f"expected one captured region, got {len(regions)} region(s)")
         region = regions[0]
+        if region.instances[0].read_in_place:
+            raise RuntimeError("the graph reads its inputs in place: this microbenchmark times their copies")
         args = _region_inputs(jfn, region, xs)
         graph = region.instances[0].graph
         expected = _flat(fn(*xs))

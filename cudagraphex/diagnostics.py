@@ -22,6 +22,8 @@ class GraphReport:
 
     #: Shapes of the inputs copied into the graph (the ones that vary between calls).
     input_shapes: dict[str, tuple[int, ...]]
+    #: The caller's tensors the graph reads where they were at capture, instead of copying them.
+    read_in_place: list[str]
     replays: int
     capture_ms: float
     pool_bytes: int
@@ -115,9 +117,10 @@ def _region_lines(r: RegionReport) -> list[str]:
     ]
     for i, g in enumerate(r.graphs, 1):
         pool = ", own pool" if g.own_pool else ""
+        in_place = f", reads in place: {_names(g.read_in_place)}" if g.read_in_place else ""
         lines.append(
-            f"    graph {i}: inputs {g.input_shapes}, {g.replays} replay(s), captured in {g.capture_ms:.1f} ms,"
-            f" {_bytes(g.pool_bytes)}{pool}"
+            f"    graph {i}: inputs {g.input_shapes}{in_place}, {g.replays} replay(s), captured in {g.capture_ms:.1f}"
+            f" ms, {_bytes(g.pool_bytes)}{pool}"
         )
     if r.eager_calls:
         lines.append("    eager calls: " + ", ".join(f"{why} x{n}" for why, n in r.eager_calls.items()))
@@ -149,6 +152,7 @@ def _region_report(region: GraphedRegion) -> RegionReport:
     graphs = [
         GraphReport(
             input_shapes={info.input_names[j]: tuple(shape) for j, shape, _, _ in i.copied_meta},
+            read_in_place=[info.input_names[j] for j in i.read_in_place],
             replays=i.replays,
             capture_ms=i.capture_seconds * 1e3,
             pool_bytes=i.pool_bytes,

@@ -253,6 +253,7 @@ class CUDAGraphExecutor(FusionExecutor):
             returned=spec.returned & {p.name for p in outputs},
             mutated=mutated,
             mutated_trace_inputs=spec.mutated_trace_inputs & mutated,
+            caller_inputs=spec.caller_inputs & {p.name for p in inputs},
             written=written,
         )
         # Rematerialization that is kept changes which forward outputs the backward reads: they stay static.
@@ -269,6 +270,7 @@ class CUDAGraphExecutor(FusionExecutor):
             graph_outputs=fusion.graph_outputs,
             declared_static=fusion.declared_static,
             mutated_trace_inputs=spec.mutated_trace_inputs if in_place else (),
+            caller_inputs=spec.caller_inputs,
         )
         info = RegionInfo(
             name=name,

@@ -105,6 +105,9 @@ class RegionSpec:
     mutated: frozenset[str] = frozenset()
     #: Inputs the region writes in place that are inputs of the whole trace (or alias one through update_aliases).
     mutated_trace_inputs: frozenset[str] = frozenset()
+    #: Inputs the caller passes in: inputs of the whole trace (in a backward, also the ones saved from them) and
+    #: cotangents.
+    caller_inputs: frozenset[str] = frozenset()
     #: For each member that writes in place (by ``id``), the inputs its write may reach.
     written: dict[int, frozenset[str]] = field(default_factory=dict, repr=False)
 
@@ -348,7 +351,15 @@ class _Planner:
             phase=self.phase_of(ops[0][0]),
             mutated=frozenset(mutated),
             mutated_trace_inputs=frozenset(n for n in mutated if self._root_is_trace_input(n)),
+            caller_inputs=frozenset(n for n in inputs if self._from_caller(n)),
             written=written,
+        )
+
+    def _from_caller(self, name: str) -> bool:
+        """Whether ``name`` is a tensor the caller passes in: an input of the trace, or a cotangent."""
+        producer = self.producer.get(name)
+        return (producer is not None and producer[1].sym.id == prims.PrimIDs.GET_GRAD) or self._root_is_trace_input(
+            name
         )
 
     def _root_is_trace_input(self, name: str) -> bool:

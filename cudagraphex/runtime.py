@@ -14,6 +14,11 @@ What is static
     that each has the shape, strides, dtype and device it was captured with; if the graph writes that input in place,
     the buffer is copied back after the replay. An input that is a view of its own buffer (an output of the graph
     passed back in) never reaches a replay: it references a storage the replay writes (see below).
+    One exception spares the copy (a launch that costs more host time than the replay on a slow host): a tensor the
+    caller passes in (an input of the trace, a cotangent) that is at the address it had at the warm-up when a graph is
+    captured is *read in place* by that graph, like a static input: its address is compared, its layout is checked
+    with the copied inputs', and the graph holds its address, not the tensor. Its first move demotes it to a copied
+    input, and the graph captured then copies it wherever it is (one more graph, the only one after a move).
     A tensor that the trace declares but that is None at run time (flash attention's ``cum_seq_q`` outside varlen)
     passes through as None: an input is part of the graph's signature, an output is handed out as None.
 
@@ -232,6 +237,7 @@ class _Instance:
         key: tuple,
         args: Sequence[torch.Tensor],
         pool: _Pool,
+        read_in_place: frozenset[int] = frozenset(),
     ) -> None:
         # A tensor input that is None at run time (flash attention's cum_seq_q outside varlen) is a host value here.
         kinds = [InputKind.HOST_VALUE if a is None else kind for kind, a in zip(region.kinds, args, strict=True)]
@@ -239,22 +245,28 @@ class _Instance:
         self.region = region
         self.key = key
         self.pool = pool
-        self.static = [i for i in range(n) if kinds[i].is_static]
-        self.static_ptrs: list[int | None] = [args[i].data_ptr() if kinds[i].is_static else None for i in range(n)]
-        copied = [i for i in range(n) if kinds[i] is InputKind.COPIED]
+        #: Caller's tensors this graph reads where they were at capture (see "What is static").
+        self.read_in_place = sorted(read_in_place)
+        self.static = [i for i in range(n) if kinds[i].is_static or i in read_in_place]
+        self.static_ptrs: list[int | None] = [args[i].data_ptr() if i in self.static else None for i in range(n)]
+        copied = [i for i in range(n) if kinds[i] in (InputKind.COPIED, InputKind.CALLER) and i not in read_in_place]
         self.values = [(i, args[i]) for i in range(n) if kinds[i] is InputKind.HOST_VALUE]
         self.copied_meta = [(i, args[i].shape, args[i].stride(), args[i].dtype) for i in copied]
-        #: Checks in one C++ call that the copied inputs have the dtype, shape, strides, device, requires_grad and
-        #: dispatch keys they had at capture (a mismatch sends the call to the slow path, which decides).
-        self.copied_guard = (
+        # The layout of an input read in place is checked like a copied input's: nothing upstream checks strides.
+        guarded = copied + self.read_in_place
+        #: Checks in one C++ call that the copied inputs and those read in place have the dtype, shape, strides, device,
+        #: requires_grad and dispatch keys they had at capture (a mismatch sends the call to the slow path).
+        self.guard = (
             TensorGuards(
-                *(args[i] for i in copied),
-                dynamic_dims_sizes=[list(args[i].shape) for i in copied],
-                dynamic_dims_strides=[list(args[i].stride()) for i in copied],
+                *(args[i] for i in guarded),
+                dynamic_dims_sizes=[list(args[i].shape) for i in guarded],
+                dynamic_dims_strides=[list(args[i].stride()) for i in guarded],
             )
-            if copied
+            if guarded
             else None
         )
+        self.pick_guarded = _picker(guarded)
+        self.num_copied = len(copied)
         self.pick_copied = _picker(copied)
         graph_args = list(args)
         #: Per copied input, the buffer the graph reads it from, and the dims along which it is expanded (its buffer
@@ -404,17 +416,18 @@ class _Instance:
         return pairs
 
     def fitting_copied_inputs(self, args: Sequence[Any]) -> tuple[torch.Tensor, ...] | None:
-        """The copied inputs of ``args`` if ``args`` have this instance's copied-input signature, host values and static
-        addresses; None otherwise. Reads no protection switch: the slow path, which a None sends the call to, does."""
-        copied = self.pick_copied(args)
-        if self.copied_guard is not None and not self.copied_guard.check(*copied):
+        """The copied inputs of ``args`` if ``args`` have the layout of this instance's copied inputs and of those it
+        reads in place, its host values and its static addresses; None otherwise. Reads no protection switch: the slow
+        path, which a None sends the call to, does."""
+        guarded = self.pick_guarded(args)
+        if self.guard is not None and not self.guard.check(*guarded):
             return None
         for i, value in self.values:
             if args[i] != value:
                 return None
         if self.static and not _ptrs_equal(list(args), self.static_ptrs, self.static):
             return None
-        return copied
+        return guarded[: self.num_copied]  # the copied inputs come first (the whole tuple itself when all are copied)
 
     def statics_match(self, args: Sequence[torch.Tensor]) -> bool:
         if not self.static or not PROTECTIONS["static_address_guard"]:
@@ -486,6 +499,8 @@ class GraphedRegion:
         self._calls_per_key: Counter[tuple] = Counter()
         self._missed: Counter[tuple] = Counter()
         self._miss_streaks: dict[int, tuple[int, int]] = {}
+        #: Per input signature, the addresses of the caller's tensors at its last warm-up call.
+        self._warmup_addresses: dict[tuple, dict[int, int]] = {}
         self._warned_budget = False
 
     @property
@@ -515,7 +530,7 @@ class GraphedRegion:
         if not candidates:
             self._calls_per_key[key] += 1
             if self._calls_per_key[key] <= self.options.warmup_calls:
-                return self._warmup(args)
+                return self._warmup(args, key)
             why = "new input signature" if self.instances else "first capture"
             return self._capture(args, key, private=False, why=why)
         if matching:
@@ -570,7 +585,7 @@ class GraphedRegion:
                     " PruneParameterChecks, which promised that parameters are not replaced, but it moved to a new"
                     " address; compile the function again after replacing parameters"
                 )
-            if kind is InputKind.DECLARED:
+            if kind in (InputKind.DECLARED, InputKind.CALLER):
                 self._demote(i)
             elif kind in (InputKind.GRAPH_OUTPUT, InputKind.MUTATED):
                 streak, seen_at = self._miss_streaks.get(i, (0, progress))
@@ -614,7 +629,7 @@ class GraphedRegion:
             return self._eager(args, "graph budget exhausted")
         pool = self.graphs.pool(self.device, private=private)
         try:
-            inst = _Instance(self, key, args, pool)
+            inst = _Instance(self, key, args, pool, self._unmoved_caller_tensors(args, key))
         except CaptureFailed as e:
             self.disabled_reason = str(e)
             message = f"cudagraphex: capturing region {self.name} failed ({e}); it runs eagerly from now on"
@@ -635,10 +650,27 @@ class GraphedRegion:
         )
         return inst.replay(args, inst.pick_copied(args))
 
-    def _warmup(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _unmoved_caller_tensors(self, args: Sequence[torch.Tensor], key: tuple) -> frozenset[int]:
+        """The caller's tensors that are where they were at this signature's warm-up: a new graph reads them in place.
+
+        One the region writes is left out: its copy-back, not the graph, must write the caller's tensor."""
+        seen = self._warmup_addresses.get(key, {})
+        return frozenset(
+            i
+            for i, address in seen.items()
+            if self.kinds[i] is InputKind.CALLER and i not in self.mutated_idx and args[i].data_ptr() == address
+        )
+
+    def _warmup(self, args: Sequence[torch.Tensor], key: tuple) -> list[torch.Tensor]:
         """The eager warm-up call; also catches in-place writes the trace analysis missed, via version counters."""
-        watched = [i for i in range(len(args)) if i not in self.mutated_idx and self.kinds[i] is InputKind.COPIED]
+        copied = (InputKind.COPIED, InputKind.CALLER)
+        watched = [i for i in range(len(args)) if i not in self.mutated_idx and self.kinds[i] in copied]
         before = {i: _version(args[i]) for i in watched}
+        self._warmup_addresses[key] = {
+            i: args[i].data_ptr()
+            for i, kind in enumerate(self.kinds)
+            if kind is InputKind.CALLER and isinstance(args[i], torch.Tensor)
+        }
         out = self._eager(args, "warm-up")
         for i in watched:
             if before[i] is not None and _version(args[i]) != before[i]:

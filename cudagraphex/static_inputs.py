@@ -1,7 +1,8 @@
 """Which inputs of a graph are static, decided by what each input is, never by its position.
 
 A static input is read (and written) by the graph at the address it had at capture time, so it is never copied.
-Every other tensor input is *copied* into a buffer that the graph owns before each replay.
+Every other tensor input is *copied* into a buffer that the graph owns before each replay, except a caller's tensor
+that stays where it was: a graph captured while it had not moved since the warm-up reads it in place.
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ class InputKind(enum.Enum):
     DECLARED = "declared static"
     #: An input of the trace that the graph writes in place (a KV cache, a running buffer).
     MUTATED = "written in place"
+    #: A tensor the caller passes in (an input of the trace, one saved from it for backward, a cotangent): copied
+    #: unless it is at the address it had at the warm-up when a graph is captured: that graph reads it in place and
+    #: replays only while it stays there. Its first move demotes it to ``COPIED``.
+    CALLER = "caller's tensor"
     #: A Python value (only reaches a graph through a ``can_fuse`` override): frozen at capture, so a new value needs
     #: a new graph.
     HOST_VALUE = "host value"
 
     @property
     def is_static(self) -> bool:
-        return self not in (InputKind.COPIED, InputKind.HOST_VALUE)
+        return self not in (InputKind.COPIED, InputKind.CALLER, InputKind.HOST_VALUE)
 
 
 def classify_inputs(
@@ -42,6 +47,7 @@ def classify_inputs(
     graph_outputs: Collection[str],
     declared_static: Collection[str],
     mutated_trace_inputs: Collection[str],
+    caller_inputs: Collection[str] = (),
 ) -> list[InputKind]:
     """The kind of each region input: tags first, then provenance, then declarations and in-place writes."""
     kinds = []
@@ -56,6 +62,8 @@ def classify_inputs(
             kinds.append(InputKind.DECLARED)
         elif p.name in mutated_trace_inputs:
             kinds.append(InputKind.MUTATED)
+        elif p.name in caller_inputs:
+            kinds.append(InputKind.CALLER)
         else:
             kinds.append(InputKind.COPIED)
     return kinds

@@ -61,7 +61,7 @@ def test_num_static_inputs_maps_saved_tensors_by_identity():
     kinds = dict(zip(region.info.input_names, region.kinds, strict=True))
     # the cotangent comes first among the region's inputs: a prefix mask would have made it static
     first = region.info.input_names[0]
-    assert first not in saved and kinds[first] is InputKind.COPIED
+    assert first not in saved and kinds[first] is InputKind.CALLER
     for name in saved:
         if name in kinds:
             assert kinds[name].is_static, name

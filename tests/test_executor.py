@@ -16,6 +16,7 @@ from thunder.extend import FusionExecutor, OperatorExecutor, get_executor, regis
 import cudagraphex.executor as executor_module
 from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
 from cudagraphex import CUDAGraphExecutor, cudagraphex
+from cudagraphex import explain as cudagraphex_explain
 from cudagraphex.regions import RegionSpec, refused_rematerialization
 from cudagraphex.runtime import GraphedRegion
 from cudagraphex.static_inputs import InputKind
@@ -117,17 +118,17 @@ def test_static_inputs_are_decided_by_identity():
     (fw,) = regions(jm, emulated, "forward")
     (bw,) = regions(jm, emulated, "backward")
     fw_kinds = dict(zip(fw.info.input_names, fw.kinds, strict=True))
-    assert fw_kinds["input"] is InputKind.COPIED
+    assert fw_kinds["input"] is InputKind.CALLER
     assert [k for n, k in fw_kinds.items() if n != "input"] == [InputKind.PARAMETER] * 4
     bw_kinds = dict(zip(bw.info.input_names, bw.kinds, strict=True))
-    assert bw_kinds["input"] is InputKind.COPIED  # a user input saved for backward, new every call
+    assert bw_kinds["input"] is InputKind.CALLER  # the caller's input, saved for backward
     for name, kind in bw_kinds.items():
         if "weight" in name:
             assert kind is InputKind.PARAMETER
         elif name in fw.info.output_names:
             assert kind is InputKind.GRAPH_OUTPUT
     cotangents = [n for n in bw.info.input_names if n not in fw.info.output_names and "weight" not in n]
-    assert cotangents and all(bw_kinds[n] is InputKind.COPIED for n in cotangents)
+    assert cotangents and all(bw_kinds[n] is InputKind.CALLER for n in cotangents)  # "input" among them
     assert InputKind.GRAPH_OUTPUT in bw_kinds.values()
 
 
@@ -319,9 +320,10 @@ def test_input_that_is_a_view_of_its_buffer_is_never_replayed_over(backend):
 
     jf = jit(f, backend.executor)
     w = torch.randn(4, 8, device=backend.device)
-    for _ in range(3):
-        jf(torch.randn(4, 8, device=backend.device), w)
-    _, transposed = jf(torch.randn(4, 8, device=backend.device), w)
+    kept = [torch.randn(4, 8, device=backend.device) for _ in range(4)]  # distinct addresses: x is copied
+    for x in kept[:3]:
+        jf(x, w)
+    _, transposed = jf(kept[3], w)
     x_again = transposed.t()
     assert x_again.untyped_storage().data_ptr() == regions(jf, backend.executor)[0].instances[0].buffers[0].data_ptr()
     expected = x_again * w + 1
@@ -330,6 +332,57 @@ def test_input_that_is_a_view_of_its_buffer_is_never_replayed_over(backend):
     region = regions(jf, backend.executor)[0]
     assert region.eager_calls["outputs still referenced"] == 1
     assert replays(jf, backend.executor) == 3
+
+
+def sin_scaled(x, w):
+    return torch.sin(x) * w + 1
+
+
+def test_caller_tensors_that_stay_put_are_read_in_place(backend):
+    # At the same address on the warm-up and the capture call, both inputs are read where they are: no copy, and a
+    # write the caller makes between calls is seen.
+    jf = jit(sin_scaled, backend.executor)
+    x, w = torch.randn(8, device=backend.device), torch.randn(8, device=backend.device)
+    for _ in range(3):
+        torch.testing.assert_close(jf(x, w), sin_scaled(x, w))
+    x.mul_(2)
+    torch.testing.assert_close(jf(x, w), sin_scaled(x, w))
+    (region,) = regions(jf, backend.executor)
+    (instance,) = region.instances
+    assert [region.info.input_names[i] for i in instance.read_in_place] == ["x", "w"]
+    assert instance.buffers == []
+    assert replays(jf, backend.executor) == 3
+    assert "reads in place: x, w" in str(cudagraphex_explain(jf))
+
+
+def test_caller_tensor_read_in_place_that_moves_is_copied_from_then_on(backend):
+    jf = jit(sin_scaled, backend.executor)
+    x, w = torch.randn(8, device=backend.device), torch.randn(8, device=backend.device)
+    jf(x, w)
+    jf(x, w)
+    y = torch.randn(8, device=backend.device)  # x is alive: y is elsewhere
+    torch.testing.assert_close(jf(y, w), sin_scaled(y, w))
+    (region,) = regions(jf, backend.executor)
+    assert region.demoted == ["x"] and region.kinds[0] is InputKind.COPIED
+    reads_x, copies_x = region.instances
+    assert reads_x.read_in_place == [0, 1] and copies_x.read_in_place == [1]
+    torch.testing.assert_close(jf(x, w), sin_scaled(x, w))
+    z = torch.randn(8, device=backend.device)
+    torch.testing.assert_close(jf(z, w), sin_scaled(z, w))
+    assert (reads_x.replays, copies_x.replays) == (1, 3)  # the graph that copies x fits every x
+    assert len(region.instances) == 2
+
+
+def test_caller_tensor_new_at_the_capture_is_copied(backend):
+    jf = jit(sin_scaled, backend.executor)
+    w = torch.randn(8, device=backend.device)
+    xs = [torch.randn(8, device=backend.device) for _ in range(4)]  # kept alive: four addresses
+    for x in xs:
+        torch.testing.assert_close(jf(x, w), sin_scaled(x, w))
+    (region,) = regions(jf, backend.executor)
+    (instance,) = region.instances
+    assert instance.read_in_place == [1] and len(instance.buffers) == 1
+    assert region.demoted == [] and instance.replays == 3
 
 
 def test_call_that_fails_the_cxx_input_guard_replays_through_the_slow_path(backend, monkeypatch):
