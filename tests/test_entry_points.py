@@ -312,8 +312,8 @@ def test_explain_reads_as_text_and_as_data(backend):
         return (y.cos() * 3 + 1) * s
 
     jf = jit(f, backend.executor)
-    for _ in range(3):
-        jf(torch.randn(8, device=backend.device))
+    for x in [torch.randn(8, device=backend.device) for _ in range(3)]:  # kept alive: x moves, so it is copied
+        jf(x)
     report = explain(jf)
     data = report.to_dict()
     (trace,) = data["traces"]
