@@ -11,6 +11,7 @@ graph read them in place), replayed three ways on the same captured graph:
 (c) ``graph.replay``: ``torch.cuda.CUDAGraph.replay()`` alone.
 
 A second function, ``hundred_outputs``, returns each of its 100 ops' results, so its region hands out 100 outputs.
+A last case warms ``hundred_ops`` up on its one input itself, so that the graph reads that input in place (no copy).
 
 Every time is *host* time: a block of calls starts on an idle GPU and ends when its last call returns, without waiting
 for the GPU, whose work queues up. (Timed with a synchronize at the end, the 100 kernels, ~94 µs on an H200, would set
@@ -18,9 +19,10 @@ the pace and hide the host's work.) Each measurement is the median of its blocks
 round times one block of every measurement, so that a slow stretch of the host (the first seconds of a fresh machine,
 say) touches all of them alike.
 
-Derived, in microseconds: host cost per region = (b) - (c) at k=1; per copied input = the least-squares slope of
-(b) - (c) over k; per returned output = the extra (b) - (c) of ``hundred_outputs`` over ``hundred_ops`` at k=1, per
-extra output; Thunder prologue/epilogue + glue = (a) - (b) at k=1.
+Derived, in microseconds: host cost per region = (b) - (c) at k=1 (one copied input, its copy launch included);
+the same with the input read in place (no copy); per copied input = the least-squares slope of (b) - (c) over k; per
+returned output = the extra (b) - (c) of ``hundred_outputs`` over ``hundred_ops`` at k=1, per extra output; Thunder
+prologue/epilogue + glue = (a) - (b) at k=1.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ K_VALUES = (1, 8, 32)
 _NUMEL = 1024
 #: (a), (b), (c) of the module docstring.
 _WAYS = ("thunder call", "region call", "graph.replay")
-#: The ``hundred_ops`` cases (one per k) and the ``hundred_outputs`` case, each timed three ways.
-MICRO_MEASUREMENTS = 3 * (len(K_VALUES) + 1)
+#: The ``hundred_ops`` cases (one per k, and k=1 read in place) and the ``hundred_outputs`` case, each timed three ways.
+MICRO_MEASUREMENTS = 3 * (len(K_VALUES) + 2)
 #: Calls per timed block: few enough that the GPU's queue never fills, so the host never waits for it.
 _CALLS_PER_BLOCK = 20
 #: Rounds of blocks per repetition the suite asks for (a block lasts well under a millisecond), and untimed calls of
@@ -128,15 +130,16 @@ def run_micro(
     from benchmarks.suite import short_error
 
     records: list[Record] = []
-    cases: list[tuple[int | str, Callable, int]] = [(k, hundred_ops, k) for k in K_VALUES]
-    cases.append((_OUTPUTS, hundred_outputs, 1))
+    # (key, function, k, whether the graph reads its inputs in place)
+    cases: list[tuple[int | str, Callable, int, bool]] = [(k, hundred_ops, k, False) for k in K_VALUES]
+    cases += [(_IN_PLACE, hundred_ops, 1, True), (_OUTPUTS, hundred_outputs, 1, False)]
     # (case key, way, record, call) of every measurement that could be prepared
     timed: list[tuple[int | str, str, Record, Callable[[], None]]] = []
-    for key, fn, k in cases:
+    for key, fn, k, in_place in cases:
         label = f"k={key}" if isinstance(key, int) else key
         group = [Record(MICRO_WORKLOAD, "inference", f"{name} {label}") for name in _WAYS]
         try:
-            calls = _prepare(fn, k, executor, device, sync, group)
+            calls = _prepare(fn, k, executor, device, sync, group, in_place)
             timed += [(key, name, record, calls[name]) for record, name in zip(group, _WAYS, strict=True)]
         except Exception as e:  # noqa: BLE001 - recorded for the whole group
             for record in group:
@@ -169,15 +172,23 @@ def run_micro(
     return records, _breakdown(medians)
 
 
-#: The key of the ``hundred_outputs`` case among the k values.
+#: The keys of the ``hundred_outputs`` case and of the case whose input is read in place, among the k values.
 _OUTPUTS = "100 outputs"
+_IN_PLACE = "k=1 read in place"
 
 
 def _prepare(
-    fn: Callable, k: int, executor, device: torch.device, sync: Callable[[], None], group: list[Record]
+    fn: Callable,
+    k: int,
+    executor,
+    device: torch.device,
+    sync: Callable[[], None],
+    group: list[Record],
+    in_place: bool,
 ) -> dict:
     """Compiles and captures ``fn`` of ``k`` inputs, checks (a) and (b) against eager (into ``group``), and returns
-    the three ways to replay it."""
+    the three ways to replay it. With ``in_place`` the warm-up gets the inputs themselves, so that the graph reads
+    them in place; otherwise copies of them, so that the graph copies them."""
     import thunder
 
     xs = [torch.full((_NUMEL,), 1.0 + i / k, device=device) for i in range(k)]
@@ -185,19 +196,18 @@ def _prepare(
     with torch.no_grad():
         sync()
         start = time.perf_counter()
-        moved = [x.clone() for x in xs]
-        jfn(*moved)  # the warm-up
+        jfn(*(xs if in_place else [x.clone() for x in xs]))  # the warm-up
         for _ in range(2):  # capture + replay, replay
             jfn(*xs)
         sync()
-        del moved
         group[0].setup_s = time.perf_counter() - start
         regions = thunder.compile_data(jfn)._cudagraphex[executor.name].regions()
         if len(regions) != 1 or not regions[0].instances:
             raise RuntimeError(f"expected one captured region, got {len(regions)} region(s)")
         region = regions[0]
-        if region.instances[0].read_in_place:
-            raise RuntimeError("the graph reads its inputs in place: this microbenchmark times their copies")
+        read = region.instances[0].read_in_place
+        if len(read) != (k if in_place else 0):
+            raise RuntimeError(f"the graph reads inputs {read} in place; expected {'all' if in_place else 'none'}")
         args = _region_inputs(jfn, region, xs)
         graph = region.instances[0].graph
         expected = _flat(fn(*xs))
@@ -243,6 +253,7 @@ def _breakdown(medians: dict[str, dict[int | str, float]]) -> dict:
     a, b, c = medians["thunder call"], medians["region call"], medians["graph.replay"]
     both = [k for k in K_VALUES if k in b and k in c]
     per_region = b[1] - c[1] if 1 in both else None
+    in_place = b[_IN_PLACE] - c[_IN_PLACE] if _IN_PLACE in b and _IN_PLACE in c else None
     per_output = None
     if per_region is not None and _OUTPUTS in b and _OUTPUTS in c:
         per_output = (b[_OUTPUTS] - c[_OUTPUTS] - per_region) / (100 - 1)
@@ -252,6 +263,7 @@ def _breakdown(medians: dict[str, dict[int | str, float]]) -> dict:
         "region_call_us": [b.get(k) for k in K_VALUES],
         "graph_replay_us": [c.get(k) for k in K_VALUES],
         "cudagraphex_overhead_per_region_us": per_region,
+        "per_region_read_in_place_us": in_place,
         "per_copied_input_us": _slope(both, [b[k] - c[k] for k in both]) if len(both) >= 2 else None,
         "per_returned_output_us": per_output,
         "thunder_glue_us": a[1] - b[1] if 1 in a and 1 in b else None,

@@ -12,6 +12,7 @@ import thunder
 
 from cudagraphex.regions import Break
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion
+from cudagraphex.static_inputs import InputKind
 
 __all__ = ["GraphReport", "RegionReport", "Report", "TraceReport", "explain"]
 
@@ -39,7 +40,10 @@ class RegionReport:
     device: str
     num_ops: int
     static_inputs: dict[str, str]
+    #: Tensor inputs copied into a graph, or read in place by a graph captured while they stayed put (see ``graphs``).
     copied_inputs: list[str]
+    #: Python values frozen into each graph (a new value needs a new graph).
+    host_values: list[str]
     outputs: list[str]
     graphs: list[GraphReport]
     eager_calls: dict[str, int]
@@ -113,8 +117,10 @@ def _region_lines(r: RegionReport) -> list[str]:
     lines = [
         f"  {r.name} [{r.phase}, {r.device}]: {r.num_ops} ops, {len(r.graphs)} graph(s), {r.replays} replay(s)",
         f"    static inputs: {static or 'none'}" + (f": {_names(list(r.static_inputs))}" if static else ""),
-        f"    copied inputs: {_names(r.copied_inputs)}",
+        f"    copied or read in place: {_names(r.copied_inputs)}",
     ]
+    if r.host_values:
+        lines.append(f"    host values: {_names(r.host_values)}")
     for i, g in enumerate(r.graphs, 1):
         pool = ", own pool" if g.own_pool else ""
         in_place = f", reads in place: {_names(g.read_in_place)}" if g.read_in_place else ""
@@ -148,7 +154,8 @@ def _bytes(n: int) -> str:
 def _region_report(region: GraphedRegion) -> RegionReport:
     info = region.info
     static = {n: k.value for n, k in zip(info.input_names, region.kinds, strict=True) if k.is_static}
-    copied = [n for n, k in zip(info.input_names, region.kinds, strict=True) if not k.is_static]
+    copied = [n for n, k in zip(info.input_names, region.kinds, strict=True) if k.is_copied]
+    host_values = [n for n, k in zip(info.input_names, region.kinds, strict=True) if k is InputKind.HOST_VALUE]
     graphs = [
         GraphReport(
             input_shapes={info.input_names[j]: tuple(shape) for j, shape, _, _ in i.copied_meta},
@@ -167,6 +174,7 @@ def _region_report(region: GraphedRegion) -> RegionReport:
         num_ops=info.num_ops,
         static_inputs=static,
         copied_inputs=copied,
+        host_values=host_values,
         outputs=list(info.output_names),
         graphs=graphs,
         eager_calls=dict(region.eager_calls),

@@ -358,9 +358,9 @@ class _Planner:
     def _from_caller(self, name: str) -> bool:
         """Whether ``name`` is a tensor the caller passes in: an input of the trace, or a cotangent."""
         producer = self.producer.get(name)
-        return (producer is not None and producer[1].sym.id == prims.PrimIDs.GET_GRAD) or self._root_is_trace_input(
-            name
-        )
+        if producer is not None and producer[1].sym.id == prims.PrimIDs.GET_GRAD:
+            return True
+        return self._root_is_trace_input(name)
 
     def _root_is_trace_input(self, name: str) -> bool:
         """Whether ``name`` is, possibly through update_aliases, an input of the trace."""

@@ -248,8 +248,10 @@ class _Instance:
         #: Caller's tensors this graph reads where they were at capture (see "What is static").
         self.read_in_place = sorted(read_in_place)
         self.static = [i for i in range(n) if kinds[i].is_static or i in read_in_place]
-        self.static_ptrs: list[int | None] = [args[i].data_ptr() if i in self.static else None for i in range(n)]
-        copied = [i for i in range(n) if kinds[i] in (InputKind.COPIED, InputKind.CALLER) and i not in read_in_place]
+        self.static_ptrs: list[int | None] = [None] * n
+        for i in self.static:
+            self.static_ptrs[i] = args[i].data_ptr()
+        copied = [i for i in range(n) if kinds[i].is_copied and i not in read_in_place]
         self.values = [(i, args[i]) for i in range(n) if kinds[i] is InputKind.HOST_VALUE]
         self.copied_meta = [(i, args[i].shape, args[i].stride(), args[i].dtype) for i in copied]
         # The layout of an input read in place is checked like a copied input's: nothing upstream checks strides.
@@ -653,7 +655,8 @@ class GraphedRegion:
     def _unmoved_caller_tensors(self, args: Sequence[torch.Tensor], key: tuple) -> frozenset[int]:
         """The caller's tensors that are where they were at this signature's warm-up: a new graph reads them in place.
 
-        One the region writes is left out: its copy-back, not the graph, must write the caller's tensor."""
+        One the region writes is left out, so that a written input keeps the one path it has always had (a buffer
+        and a copy-back); reading it in place would be correct too, but no workload measured needs it."""
         seen = self._warmup_addresses.get(key, {})
         return frozenset(
             i
@@ -663,8 +666,7 @@ class GraphedRegion:
 
     def _warmup(self, args: Sequence[torch.Tensor], key: tuple) -> list[torch.Tensor]:
         """The eager warm-up call; also catches in-place writes the trace analysis missed, via version counters."""
-        copied = (InputKind.COPIED, InputKind.CALLER)
-        watched = [i for i in range(len(args)) if i not in self.mutated_idx and self.kinds[i] in copied]
+        watched = [i for i in range(len(args)) if i not in self.mutated_idx and self.kinds[i].is_copied]
         before = {i: _version(args[i]) for i in watched}
         self._warmup_addresses[key] = {
             i: args[i].data_ptr()

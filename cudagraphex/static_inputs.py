@@ -40,6 +40,11 @@ class InputKind(enum.Enum):
     def is_static(self) -> bool:
         return self not in (InputKind.COPIED, InputKind.CALLER, InputKind.HOST_VALUE)
 
+    @property
+    def is_copied(self) -> bool:
+        """Whether an input of this kind is copied into the graph, unless a graph reads it in place (``CALLER``)."""
+        return self in (InputKind.COPIED, InputKind.CALLER)
+
 
 def classify_inputs(
     inputs: Sequence[Proxy],

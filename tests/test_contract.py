@@ -17,7 +17,7 @@ import torch
 from thunder.extend import OperatorExecutor, register_executor
 
 from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
-from cudagraphex import CUDAGraphExecutor, StrictModeError, runtime
+from cudagraphex import CUDAGraphExecutor, StrictModeError, explain, runtime
 from cudagraphex.capture import is_capturing
 from cudagraphex.static_inputs import InputKind
 from tests.helpers import (
@@ -513,7 +513,11 @@ def test_host_value_in_a_graph_is_keyed_on_its_value():
             return super().can_fuse(bsym) or bsym.sym.name not in ("item", "python_return", "unpack_trivial")
 
     ex = Permissive("cudagraphex_permissive", backend="emulate")
-    assert host_values_follow_each_call(ex)
+    jf = jit(scale_by_item, ex)
+    assert all(torch.allclose(jf(x), scale_by_item(x)) for x in (torch.randn(8) * (i + 1) for i in range(5)))
+    (region,) = [r for r in explain(jf).regions if r.host_values]
+    assert region.host_values and not set(region.host_values) & set(region.copied_inputs)
+    assert f"host values: {region.host_values[0]}" in str(explain(jf))
 
 
 def test_host_value_protection_bites():
