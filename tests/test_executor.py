@@ -392,8 +392,8 @@ def test_call_that_fails_the_cxx_input_guard_replays_through_the_slow_path(backe
 
     jf = jit(f, backend.executor)
     with torch.no_grad():
-        for _ in range(3):
-            jf(torch.randn(8, device=backend.device))
+        for x in [torch.randn(8, device=backend.device) for _ in range(3)]:  # kept alive: x moves, so it is copied
+            jf(x)
     slow_calls = []
     dispatch = GraphedRegion._dispatch
     monkeypatch.setattr(GraphedRegion, "_dispatch", lambda self, args: slow_calls.append(1) or dispatch(self, args))
@@ -408,9 +408,10 @@ def test_call_that_fails_the_cxx_input_guard_replays_through_the_slow_path(backe
 def test_graphs_die_with_the_compiled_function(backend):
     model = mlp(2, 16).to(backend.device)
     jm = jit(model, backend.executor)
+    x = torch.randn(4, 16, device=backend.device)  # one input: where temporaries land would decide the graph count
     with torch.no_grad():
         for _ in range(3):
-            jm(torch.randn(4, 16, device=backend.device))
+            jm(x)
     ref = weakref.ref(graphs(jm, backend.executor))
     assert num_graphs(jm, backend.executor) == 1
     del jm
