@@ -232,28 +232,30 @@ class CUDAGraphExecutor(FusionExecutor):
             earlier,
             _fused_by(fusion.inner),
         )
-        if len(members) != len(region.bound_symbols) or {p.name for p in outputs} != {p.name for p in handed_back}:
+        input_names = {p.name for p in inputs}
+        output_names = {p.name for p in outputs}
+        if len(members) != len(region.bound_symbols) or output_names != {p.name for p in handed_back}:
             logger.info("%s: keeps the tensors saved for backward it planned; rematerialization refused", name)
         unchanged = (
-            {p.name for p in inputs} == {p.name for p in spec.inputs}
-            and {p.name for p in outputs} == {p.name for p in spec.outputs}
+            input_names == {p.name for p in spec.inputs}
+            and output_names == {p.name for p in spec.outputs}
             and len(members) == len(spec.bound_symbols)
             and all(a is b for a, b in zip(members, spec.bound_symbols, strict=True))
         )
         if unchanged:
             graphs.fusions[name] = dataclasses.replace(fusion, tick=next(_ticks))
             return fusion.bsym
-        written = written_inputs(members, {p.name for p in inputs})
+        written = written_inputs(members, input_names)
         mutated = frozenset().union(*written.values())
         new_spec = dataclasses.replace(
             spec,
             bound_symbols=members,
             inputs=inputs,
             outputs=outputs,
-            returned=spec.returned & {p.name for p in outputs},
+            returned=spec.returned & output_names,
             mutated=mutated,
             mutated_trace_inputs=spec.mutated_trace_inputs & mutated,
-            caller_inputs=spec.caller_inputs & {p.name for p in inputs},
+            caller_inputs=spec.caller_inputs & input_names,
             written=written,
         )
         # Rematerialization that is kept changes which forward outputs the backward reads: they stay static.

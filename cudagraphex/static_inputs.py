@@ -37,13 +37,14 @@ class InputKind(enum.Enum):
     HOST_VALUE = "host value"
 
     @property
-    def is_static(self) -> bool:
-        return self not in (InputKind.COPIED, InputKind.CALLER, InputKind.HOST_VALUE)
-
-    @property
     def is_copied(self) -> bool:
         """Whether an input of this kind is copied into the graph, unless a graph reads it in place (``CALLER``)."""
         return self in (InputKind.COPIED, InputKind.CALLER)
+
+    @property
+    def is_static(self) -> bool:
+        """Whether every graph reads an input of this kind at the address it had at capture."""
+        return not self.is_copied and self is not InputKind.HOST_VALUE
 
 
 def classify_inputs(
