@@ -56,7 +56,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--workloads/--modes/--variants includes it",
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results directory (default {DEFAULT_OUT})")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement (default 5, quick 3)")
+    parser.add_argument(
+        "--reps", type=int, default=None, help="timed repetitions per measurement (default 15, quick 3)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer and shorter repetitions")
     parser.add_argument(
         "--sequential",
@@ -166,7 +168,7 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
     from benchmarks.variants import VARIANTS
 
     options = Options(
-        reps=args.reps or (3 if args.quick else 5),
+        reps=args.reps or (3 if args.quick else Options.reps),
         quick=args.quick,
         budget_s=args.budget_s,
         interleaved=not args.sequential,

@@ -19,7 +19,9 @@ variant, mode after mode:
   each round times one block of calls of every variant, in the order they were set up, so that this VM's drift
   (±50% between runs, minutes apart) affects all variants alike. A block is long enough to last ``rep_target_s``
   and lies between two ``torch.cuda.synchronize``; ``median_us`` is the median over ``reps`` rounds of the time per
-  call. (``Options.interleaved=False`` times each variant right after its setup instead, as earlier runs did.)
+  call. Fifteen rounds by default: a backward's blocks vary by ±25% within one run (the autograd engine hands the work
+  to its device thread and waits for it, and this VM wakes threads unevenly), and five rounds left the ratio of two
+  variants' medians spread over 0.68-0.87 between two passes of one run (``benchmarks/NOTES.md``). (``Options.interleaved=False`` times each variant right after its setup instead, as earlier runs did.)
 * ``in_graphs_us`` (graph variants): the part of that time spent inside the graph runners' calls: the fraction
   :func:`in_graphs_fraction` measures right after the setup, times ``median_us``; the rest is Thunder around them.
 
@@ -110,7 +112,7 @@ TIMED_AT_SETUP = frozenset({"torch.compile(reduce-overhead)"})
 class Options:
     """How long to measure. ``budget_s`` (0: none) bounds the wall time of all tasks together."""
 
-    reps: int = 5
+    reps: int = 15
     quick: bool = False
     budget_s: float = 450.0
     #: Time the variants of a workload in rounds after all are set up (the module docstring), not one by one.
