@@ -193,7 +193,8 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
     def write(records: Sequence[Any]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Path]]:
-        rows, meta = [r.to_dict() for r in records], _meta(args, suite, gpu, started, time.monotonic() - start)
+        rows = [dict(r.to_dict(), run=started) for r in records]
+        meta = _meta(args, suite, gpu, started, time.monotonic() - start)
         if args.merge:
             rows, meta = _merged(rows, meta, args.out)
         return rows, meta, write_results(rows, meta, args.out, VARIANTS)
@@ -231,7 +232,7 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
 
 def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_s: float) -> dict[str, Any]:
     """The results file's ``meta``: the machine, the definitions, and ``runs``, one entry per invocation whose records
-    the file holds (this one; ``--merge`` adds the earlier ones)."""
+    the file holds (this one; ``--merge`` adds the earlier ones that still hold one)."""
     import torch
 
     options = suite.options
@@ -276,6 +277,7 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
             "correct": "outputs (and gradients in training modes) within tolerance of eager: relative error "
             "(Frobenius) <= 1e-3 in fp32, 5e-2 in bf16",
             "kernel-floor": "GPU time (kernels, memcpy, memset) of the eager call from torch.profiler, per call",
+            "run": "the start time of the run (an entry of meta.runs) that measured the record",
         },
     }
 
@@ -283,7 +285,9 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
 def _merged(
     rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """``rows`` plus the records of the existing results file of the same name that ``rows`` does not redo."""
+    """``rows`` plus the records of the existing results file of the same name that ``rows`` does not redo; ``meta``
+    with the earlier runs that still hold a record (a record names its run by its start time; every earlier run is
+    kept while a record of the file does not name one)."""
     import json
 
     from benchmarks.report import results_basename
@@ -301,13 +305,19 @@ def _merged(
     kept_keys = {key(r) for r in kept}
     # A record skipped in this run does not replace an older one.
     fresh = [r for r in rows if key(r) in redone or key(r) not in kept_keys]
+    merged = kept + fresh
+    holders = {r.get("run") for r in merged}
     merged_meta = dict(meta)
     this_run = meta["runs"][-1]["started"]
-    earlier = [r for r in old.get("meta", {}).get("runs", []) if r.get("started") != this_run]
+    earlier = [
+        r
+        for r in old.get("meta", {}).get("runs", [])
+        if r.get("started") != this_run and (None in holders or r.get("started") in holders)
+    ]
     merged_meta["runs"] = earlier + meta["runs"]
     if not merged_meta.get("host_breakdown"):
         merged_meta["host_breakdown"] = old.get("meta", {}).get("host_breakdown")
-    return kept + fresh, merged_meta
+    return merged, merged_meta
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -225,6 +225,23 @@ def test_merge_keeps_older_records_that_a_run_does_not_redo(tmp_path):
     assert [run["started"] for run in meta["runs"]] == ["earlier", "now"]
 
 
+def test_merge_drops_the_runs_whose_records_were_all_redone(tmp_path):
+    from benchmarks.__main__ import _merged
+
+    older = [dict(r, run="earlier") for r in _fake_records()]
+    write_results(older, dict(_META, runs=[{"started": "earlier"}]), tmp_path)
+    half = [dict(r, median_us=1.0, run="now") for r in older[: len(older) // 2]]
+    rows, meta = _merged(half, dict(_META, runs=[{"started": "now"}]), tmp_path)
+    assert len(rows) == len(older)
+    assert [run["started"] for run in meta["runs"]] == ["earlier", "now"]
+
+    write_results(rows, meta, tmp_path)
+    rest = [dict(r, median_us=2.0, run="later") for r in older[len(older) // 2 :]]
+    rows, meta = _merged(rest, dict(_META, runs=[{"started": "later"}]), tmp_path)
+    assert {r["run"] for r in rows} == {"now", "later"}
+    assert [run["started"] for run in meta["runs"]] == ["now", "later"]
+
+
 def test_main_job_writes_results_after_each_workload(tmp_path, capsys, monkeypatch):
     """The GPU path of the main job, run on the CPU: partial results are on disk before the run ends."""
     from benchmarks.__main__ import _run_gpu
@@ -248,6 +265,7 @@ def test_main_job_writes_results_after_each_workload(tmp_path, capsys, monkeypat
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert {r["variant"] for r in data["records"]} == {"eager", "thunder+cudagraphex"}
     assert data["meta"]["runs"][0]["cudagraphex_commit"]
+    assert {r["run"] for r in data["records"]} == {data["meta"]["runs"][0]["started"]}
     assert "| mlp16x256-b8 | inference | thunder+cudagraphex |" in capsys.readouterr().out
 
 
