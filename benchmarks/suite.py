@@ -19,9 +19,9 @@ variant, mode after mode:
   each round times one block of calls of every variant, in the order they were set up, so that this VM's drift
   (±50% between runs, minutes apart) affects all variants alike. A block is long enough to last ``rep_target_s``
   and lies between two ``torch.cuda.synchronize``; ``median_us`` is the median over ``reps`` rounds of the time per
-  call. Fifteen rounds by default: a backward's blocks vary by ±25% within one run (the autograd engine hands the work
-  to its device thread and waits for it, and this VM wakes threads unevenly), and five rounds left the ratio of two
-  variants' medians spread over 0.68-0.87 between two passes of one run (``benchmarks/NOTES.md``). (``Options.interleaved=False`` times each variant right after its setup instead, as earlier runs did.)
+  call. Fifteen rounds by default: the blocks of a backward vary by ±25% within one run, eager's as much as any
+  graph variant's, and with five rounds the ratio of two variants' medians was 0.68 in one pass of a run and 0.86 in
+  the next (``benchmarks/NOTES.md``, eleventh session). (``Options.interleaved=False`` times each variant right after its setup instead, as earlier runs did.)
 * ``in_graphs_us`` (graph variants): the part of that time spent inside the graph runners' calls: the fraction
   :func:`in_graphs_fraction` measures right after the setup, times ``median_us``; the rest is Thunder around them.
 
