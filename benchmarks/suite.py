@@ -21,7 +21,8 @@ variant, mode after mode:
   and lies between two ``torch.cuda.synchronize``; ``median_us`` is the median over ``reps`` rounds of the time per
   call. Fifteen rounds by default: the blocks of a backward vary by ±25% within one run, eager's as much as any
   graph variant's, and with five rounds the ratio of two variants' medians was 0.68 in one pass of a run and 0.86 in
-  the next (``benchmarks/NOTES.md``, eleventh session). (``Options.interleaved=False`` times each variant right after its setup instead, as earlier runs did.)
+  the next (``benchmarks/NOTES.md``, eleventh session). (``Options.interleaved=False`` times each variant right after
+  its setup instead, as earlier runs did.)
 * ``in_graphs_us`` (graph variants): the part of that time spent inside the graph runners' calls: the fraction
   :func:`in_graphs_fraction` measures right after the setup, times ``median_us``; the rest is Thunder around them.
 
