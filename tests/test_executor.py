@@ -15,8 +15,7 @@ from thunder.extend import FusionExecutor, OperatorExecutor, get_executor, regis
 
 import cudagraphex.executor as executor_module
 from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
-from cudagraphex import CUDAGraphExecutor, cudagraphex
-from cudagraphex import explain as cudagraphex_explain
+from cudagraphex import CUDAGraphExecutor, cudagraphex, explain
 from cudagraphex.regions import RegionSpec, refused_rematerialization
 from cudagraphex.runtime import GraphedRegion
 from cudagraphex.static_inputs import InputKind
@@ -352,7 +351,7 @@ def test_caller_tensors_that_stay_put_are_read_in_place(backend):
     assert [region.info.input_names[i] for i in instance.read_in_place] == ["x", "w"]
     assert instance.buffers == []
     assert replays(jf, backend.executor) == 3
-    assert "reads in place: x, w" in str(cudagraphex_explain(jf))
+    assert "reads in place: x, w" in str(explain(jf))
 
 
 def test_caller_tensor_read_in_place_that_moves_is_copied_from_then_on(backend):
