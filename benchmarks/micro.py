@@ -8,7 +8,10 @@ graph read them in place), replayed three ways on the same captured graph:
 (a) ``thunder call``: the compiled Thunder function (prologue checks, the region, epilogue);
 (b) ``region call``: the ``GraphedRegion`` called directly with the region's inputs (guards, the batched input copy,
     the liveness check, the replay, handing out the outputs);
-(c) ``graph.replay``: ``torch.cuda.CUDAGraph.replay()`` alone.
+(c) ``graph.replay``: ``torch.cuda.CUDAGraph.replay()`` alone;
+(d) ``input copy``, at k=1 only: the copy the region call launches for its one copied input (``buffer.copy_(x)`` into
+    the graph's buffer), alone. Any runner pays it for an input that is not where the graph reads it, and it is the
+    part of (b) that depends most on how fast the host launches work.
 
 A second function, ``hundred_outputs``, returns each of its 100 ops' results, so its region hands out 100 outputs.
 A last case warms ``hundred_ops`` up on its one input itself, so that the graph reads that input in place (no copy).
@@ -20,9 +23,9 @@ round times one block of every measurement, so that a slow stretch of the host (
 say) touches all of them alike.
 
 Derived, in microseconds: host cost per region = (b) - (c) at k=1 (one copied input, its copy launch included);
-the same with the input read in place (no copy); per copied input = the least-squares slope of (b) - (c) over k; per
-returned output = the extra (b) - (c) of ``hundred_outputs`` over ``hundred_ops`` at k=1, per extra output; Thunder
-prologue/epilogue + glue = (a) - (b) at k=1.
+the same with the input read in place (no copy); of the first, the launch of its input copy = (d); per copied input =
+the least-squares slope of (b) - (c) over k; per returned output = the extra (b) - (c) of ``hundred_outputs`` over
+``hundred_ops`` at k=1, per extra output; Thunder prologue/epilogue + glue = (a) - (b) at k=1.
 """
 
 from __future__ import annotations
@@ -48,10 +51,12 @@ __all__ = [
 MICRO_WORKLOAD = "micro-100ops"
 K_VALUES = (1, 8, 32)
 _NUMEL = 1024
-#: (a), (b), (c) of the module docstring.
+#: (a), (b), (c) of the module docstring, and (d), timed at k=1 only.
 _WAYS = ("thunder call", "region call", "graph.replay")
-#: The ``hundred_ops`` cases (one per k, and k=1 read in place) and the ``hundred_outputs`` case, each timed three ways.
-MICRO_MEASUREMENTS = 3 * (len(K_VALUES) + 2)
+_COPY = "input copy"
+#: The ``hundred_ops`` cases (one per k, and k=1 read in place) and the ``hundred_outputs`` case, each timed three ways,
+#: and the input copy of k=1.
+MICRO_MEASUREMENTS = 3 * (len(K_VALUES) + 2) + 1
 #: Calls per timed block: few enough that the GPU's queue never fills, so the host never waits for it.
 _CALLS_PER_BLOCK = 20
 #: Rounds of blocks per repetition the suite asks for (a block lasts well under a millisecond), and untimed calls of
@@ -137,10 +142,11 @@ def run_micro(
     timed: list[tuple[int | str, str, Record, Callable[[], None]]] = []
     for key, fn, k, in_place in cases:
         label = f"k={key}" if isinstance(key, int) else key
-        group = [Record(MICRO_WORKLOAD, "inference", f"{name} {label}") for name in _WAYS]
+        ways = (*_WAYS, _COPY) if key == 1 else _WAYS
+        group = [Record(MICRO_WORKLOAD, "inference", f"{name} {label}") for name in ways]
         try:
             calls = _prepare(fn, k, executor, device, sync, group, in_place)
-            timed += [(key, name, record, calls[name]) for record, name in zip(group, _WAYS, strict=True)]
+            timed += [(key, name, record, calls[name]) for record, name in zip(group, ways, strict=True)]
         except Exception as e:  # noqa: BLE001 - recorded for the whole group
             for record in group:
                 record.error = record.error or short_error(e)
@@ -162,7 +168,7 @@ def run_micro(
                     record.error = short_error(e)
                     failed.add(id(record))
     sync()
-    medians: dict[str, dict[int | str, float]] = {name: {} for name in _WAYS}
+    medians: dict[str, dict[int | str, float]] = {name: {} for name in (*_WAYS, _COPY)}
     for key, name, record, _ in timed:
         if id(record) not in failed:
             record.median_us = statistics.median(blocks[id(record)])
@@ -187,8 +193,9 @@ def _prepare(
     in_place: bool,
 ) -> dict:
     """Compiles and captures ``fn`` of ``k`` inputs, checks (a) and (b) against eager (into ``group``), and returns
-    the three ways to replay it. With ``in_place`` the warm-up gets the inputs themselves, so that the graph reads
-    them in place; otherwise copies of them, so that the graph copies them."""
+    the three ways to replay it, with (d) where the graph copies one input. With ``in_place`` the warm-up gets the
+    inputs themselves, so that the graph reads them in place; otherwise copies of them, so that the graph copies
+    them."""
     import thunder
 
     xs = [torch.full((_NUMEL,), 1.0 + i / k, device=device) for i in range(k)]
@@ -236,7 +243,16 @@ def _prepare(
         def replay() -> None:
             graph.replay(args)
 
-    return {"thunder call": thunder_call, "region call": region_call, "graph.replay": replay}
+    calls = {"thunder call": thunder_call, "region call": region_call, "graph.replay": replay}
+    buffers = region.instances[0].buffers
+    if len(buffers) == 1:
+        (buffer,), (x,) = buffers, args
+
+        def input_copy() -> None:
+            buffer.copy_(x)
+
+        calls[_COPY] = input_copy
+    return calls
 
 
 def _flat(out: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -250,7 +266,7 @@ def _close(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> boo
 
 
 def _breakdown(medians: dict[str, dict[int | str, float]]) -> dict:
-    a, b, c = medians["thunder call"], medians["region call"], medians["graph.replay"]
+    a, b, c, d = (medians[name] for name in (*_WAYS, _COPY))
     both = [k for k in K_VALUES if k in b and k in c]
     per_region = b[1] - c[1] if 1 in both else None
     in_place = b[_IN_PLACE] - c[_IN_PLACE] if _IN_PLACE in b and _IN_PLACE in c else None
@@ -264,6 +280,7 @@ def _breakdown(medians: dict[str, dict[int | str, float]]) -> dict:
         "graph_replay_us": [c.get(k) for k in K_VALUES],
         "cudagraphex_overhead_per_region_us": per_region,
         "per_region_read_in_place_us": in_place,
+        "input_copy_us": d.get(1),
         "per_copied_input_us": _slope(both, [b[k] - c[k] for k in both]) if len(both) >= 2 else None,
         "per_returned_output_us": per_output,
         "thunder_glue_us": a[1] - b[1] if 1 in a and 1 in b else None,
