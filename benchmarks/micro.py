@@ -9,9 +9,9 @@ graph read them in place), replayed three ways on the same captured graph:
 (b) ``region call``: the ``GraphedRegion`` called directly with the region's inputs (guards, the batched input copy,
     the liveness check, the replay, handing out the outputs);
 (c) ``graph.replay``: ``torch.cuda.CUDAGraph.replay()`` alone;
-(d) ``input copy``, at k=1 only: the copy the region call launches for its one copied input (``buffer.copy_(x)`` into
-    the graph's buffer), alone. Any runner pays it for an input that is not where the graph reads it, and it is the
-    part of (b) that depends most on how fast the host launches work.
+(d) ``input copy``, for the k copied inputs: the copy the region call launches (``buffer.copy_(x)`` for one input,
+    one ``torch._foreach_copy_`` for more), alone. Any runner pays it for inputs that are not where the graph reads
+    them, and it is the part of (b) that depends most on how fast the host launches work.
 
 A second function, ``hundred_outputs``, returns each of its 100 ops' results, so its region hands out 100 outputs.
 A last case warms ``hundred_ops`` up on its one input itself, so that the graph reads that input in place (no copy).
@@ -23,8 +23,8 @@ round times one block of every measurement, so that a slow stretch of the host (
 say) touches all of them alike.
 
 Derived, in microseconds: host cost per region = (b) - (c) at k=1 (one copied input, its copy launch included);
-the same with the input read in place (no copy); of the first, the launch of its input copy = (d); per copied input =
-the least-squares slope of (b) - (c) over k; per returned output = the extra (b) - (c) of ``hundred_outputs`` over
+the same with the input read in place (no copy); of the first, the launch of its input copy = (d) at k=1; per copied
+input = the least-squares slope of (b) - (c) over k, and of it, the copy's = the slope of (d); per returned output = the extra (b) - (c) of ``hundred_outputs`` over
 ``hundred_ops`` at k=1, per extra output; Thunder prologue/epilogue + glue = (a) - (b) at k=1.
 """
 
@@ -51,12 +51,12 @@ __all__ = [
 MICRO_WORKLOAD = "micro-100ops"
 K_VALUES = (1, 8, 32)
 _NUMEL = 1024
-#: (a), (b), (c) of the module docstring, and (d), timed at k=1 only.
+#: (a), (b), (c) and (d) of the module docstring.
 _WAYS = ("thunder call", "region call", "graph.replay")
 _COPY = "input copy"
 #: The ``hundred_ops`` cases (one per k, and k=1 read in place) and the ``hundred_outputs`` case, each timed three ways,
-#: and the input copy of k=1.
-MICRO_MEASUREMENTS = 3 * (len(K_VALUES) + 2) + 1
+#: and the input copies of each k.
+MICRO_MEASUREMENTS = 3 * (len(K_VALUES) + 2) + len(K_VALUES)
 #: Calls per timed block: few enough that the GPU's queue never fills, so the host never waits for it.
 _CALLS_PER_BLOCK = 20
 #: Rounds of blocks per repetition the suite asks for (a block lasts well under a millisecond), and untimed calls of
@@ -142,7 +142,7 @@ def run_micro(
     timed: list[tuple[int | str, str, Record, Callable[[], None]]] = []
     for key, fn, k, in_place in cases:
         label = f"k={key}" if isinstance(key, int) else key
-        ways = (*_WAYS, _COPY) if key == 1 else _WAYS
+        ways = (*_WAYS, _COPY) if key in K_VALUES else _WAYS
         group = [Record(MICRO_WORKLOAD, "inference", f"{name} {label}") for name in ways]
         try:
             calls = _prepare(fn, k, executor, device, sync, group, in_place)
@@ -193,7 +193,7 @@ def _prepare(
     in_place: bool,
 ) -> dict:
     """Compiles and captures ``fn`` of ``k`` inputs, checks (a) and (b) against eager (into ``group``), and returns
-    the three ways to replay it, with (d) where the graph copies one input. With ``in_place`` the warm-up gets the
+    the three ways to replay it, with (d) where the graph copies its inputs. With ``in_place`` the warm-up gets the
     inputs themselves, so that the graph reads them in place; otherwise copies of them, so that the graph copies
     them."""
     import thunder
@@ -244,14 +244,22 @@ def _prepare(
             graph.replay(args)
 
     calls = {"thunder call": thunder_call, "region call": region_call, "graph.replay": replay}
+    # What the region call does with its copied inputs (``_Instance.replay``).
     buffers = region.instances[0].buffers
+    copied = list(region.instances[0].pick_copied(args))
     if len(buffers) == 1:
-        (buffer,), (x,) = buffers, args
+        (buffer,), (x,) = buffers, copied
 
         def input_copy() -> None:
             buffer.copy_(x)
 
         calls[_COPY] = input_copy
+    elif buffers:
+
+        def input_copies() -> None:
+            torch._foreach_copy_(buffers, copied)
+
+        calls[_COPY] = input_copies
     return calls
 
 
@@ -268,6 +276,7 @@ def _close(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> boo
 def _breakdown(medians: dict[str, dict[int | str, float]]) -> dict:
     a, b, c, d = (medians[name] for name in (*_WAYS, _COPY))
     both = [k for k in K_VALUES if k in b and k in c]
+    copies = [k for k in K_VALUES if k in d]
     per_region = b[1] - c[1] if 1 in both else None
     in_place = b[_IN_PLACE] - c[_IN_PLACE] if _IN_PLACE in b and _IN_PLACE in c else None
     per_output = None
@@ -282,6 +291,7 @@ def _breakdown(medians: dict[str, dict[int | str, float]]) -> dict:
         "per_region_read_in_place_us": in_place,
         "input_copy_us": d.get(1),
         "per_copied_input_us": _slope(both, [b[k] - c[k] for k in both]) if len(both) >= 2 else None,
+        "per_copied_input_copy_us": _slope(copies, [d[k] for k in copies]) if len(copies) >= 2 else None,
         "per_returned_output_us": per_output,
         "thunder_glue_us": a[1] - b[1] if 1 in a and 1 in b else None,
     }

@@ -231,6 +231,7 @@ def host_breakdown_text(breakdown: Mapping[str, Any]) -> str:
         "per_region_read_in_place_us": "the same, its input read in place (no copy)",
         "input_copy_us": "of the first, the launch of its one input copy alone (buffer.copy_(x))",
         "per_copied_input_us": "per copied input (slope over k)",
+        "per_copied_input_copy_us": "of it, the input copy's alone (slope over k)",
         "per_returned_output_us": "per returned output (the 100-output region over the 1-output one)",
         "thunder_glue_us": "Thunder prologue/epilogue + glue (thunder call - region call, k=1)",
     }

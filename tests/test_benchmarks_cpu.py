@@ -175,7 +175,7 @@ def test_measuring_code_on_the_cpu_with_the_emulated_backend(interleaved):
         progress=progress.append,
         log=log.append,
     )
-    assert suite.num_measurements() == 2 * 3 + 16
+    assert suite.num_measurements() == 2 * 3 + 18
     records = {(r.workload, r.mode, r.variant): r for r in suite.run()}
     assert len(progress) == suite.num_measurements()
     assert any("interleaved" in line for line in log) == interleaved
@@ -192,15 +192,17 @@ def test_measuring_code_on_the_cpu_with_the_emulated_backend(interleaved):
             assert records[("mlp16x256-b8", mode, "manual-graph")].error  # needs CUDA: recorded, not raised
 
     micro = [r for r in records.values() if r.workload == "micro-100ops"]
-    assert len(micro) == 16 and all(r.error is None and r.correct is not False and r.median_us > 0 for r in micro)
+    assert len(micro) == 18 and all(r.error is None and r.correct is not False and r.median_us > 0 for r in micro)
     assert any("100 output(s)" in (r.note or "") for r in micro)
-    assert [r.variant for r in micro if r.variant.startswith("input copy")] == ["input copy k=1"]
+    copies = ["input copy k=1", "input copy k=8", "input copy k=32"]
+    assert [r.variant for r in micro if r.variant.startswith("input copy")] == copies
     breakdown = suite.host_breakdown
     for key in (
         "cudagraphex_overhead_per_region_us",
         "per_region_read_in_place_us",
         "input_copy_us",
         "per_copied_input_us",
+        "per_copied_input_copy_us",
         "per_returned_output_us",
         "thunder_glue_us",
     ):
