@@ -3,7 +3,7 @@
 One region of 100 small pointwise ops (50 x ``y = y * 1.0001``, ``y = y + 0.0001`` on 1024 floats), whose inputs are
 k tensors (summed first, so all k are inputs of the region and copied into the graph on every call: the warm-up call
 gets copies of them, so they are not where they were at the warm-up when the graph is captured, which would have the
-graph read them in place), replayed three ways on the same captured graph:
+graph read them in place), replayed three ways on the same captured graph, and its input copy timed alone:
 
 (a) ``thunder call``: the compiled Thunder function (prologue checks, the region, epilogue);
 (b) ``region call``: the ``GraphedRegion`` called directly with the region's inputs (guards, the batched input copy,
@@ -24,8 +24,9 @@ say) touches all of them alike.
 
 Derived, in microseconds: host cost per region = (b) - (c) at k=1 (one copied input, its copy launch included);
 the same with the input read in place (no copy); of the first, the launch of its input copy = (d) at k=1; per copied
-input = the least-squares slope of (b) - (c) over k, and of it, the copy's = the slope of (d); per returned output = the extra (b) - (c) of ``hundred_outputs`` over
-``hundred_ops`` at k=1, per extra output; Thunder prologue/epilogue + glue = (a) - (b) at k=1.
+input = the least-squares slope of (b) - (c) over k, and of it, the copy's = the slope of (d); per returned output =
+the extra (b) - (c) of ``hundred_outputs`` over ``hundred_ops`` at k=1, per extra output; Thunder prologue/epilogue
++ glue = (a) - (b) at k=1.
 """
 
 from __future__ import annotations
