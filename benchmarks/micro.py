@@ -52,8 +52,9 @@ __all__ = [
 MICRO_WORKLOAD = "micro-100ops"
 K_VALUES = (1, 8, 32)
 _NUMEL = 1024
-#: (a), (b), (c) and (d) of the module docstring.
+#: (a), (b), (c) of the module docstring, timed for every case.
 _WAYS = ("thunder call", "region call", "graph.replay")
+#: (d), timed for the cases whose graph copies its inputs (one per k).
 _COPY = "input copy"
 #: The ``hundred_ops`` cases (one per k, and k=1 read in place) and the ``hundred_outputs`` case, each timed three ways,
 #: and the input copies of each k.
