@@ -273,6 +273,9 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
             "in_graphs_us": "graph variants: the part of median_us spent inside the graph runners' calls (input "
             "copies, checks, graph launches), from one block of calls with the runners timed; the rest is Thunder's "
             "prologue, autograd functions and eager ops around the graphs",
+            "checks_us": "cudagraphex variants: the part of in_graphs_us outside the graphs' replays (input copies, "
+            "launches, hand-out of outputs): the guard, static-address compare and liveness check of every region "
+            "call, and slow-path calls whole; median_us - checks_us is the same graphs replayed with no checks",
             "peak_reserved_bytes": "the same for torch.cuda.max_memory_reserved (graph pools keep freed blocks there)",
             "correct": "outputs (and gradients in training modes) within tolerance of eager: relative error "
             "(Frobenius) <= 1e-3 in fp32, 5e-2 in bf16",

@@ -48,6 +48,10 @@ class Record:
     #: Graph variants: the part of ``median_us`` spent in the graph runners' calls (cudagraphex's regions, the runner
     #: of Thunder's CUDAGraphTransform): input copies, checks, graph launches. The rest is Thunder around the graphs.
     in_graphs_us: float | None = None
+    #: cudagraphex variants: the part of ``in_graphs_us`` outside the graphs' replays (the guard, address compare and
+    #: liveness check of every region call; slow-path calls whole). ``median_us - checks_us`` is the same graphs'
+    #: time with no checks at all.
+    checks_us: float | None = None
     #: Largest relative error (norm of the difference over norm of eager's) among the compared tensors.
     rel_err: float | None = None
     #: Extra facts: cudagraphex's regions and graphs, graph-related warnings, what kernel-floor measures.
@@ -114,6 +118,7 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
         "variant",
         "median µs",
         "in graphs µs",
+        "checks µs",
         *REFERENCES.values(),
         "peak MiB",
         "reserved MiB",
@@ -130,6 +135,7 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
             r["variant"],
             _num(r.get("median_us"), ".1f"),
             _num(r.get("in_graphs_us"), ".1f"),
+            _num(r.get("checks_us"), ".1f"),
             *ratios,
             _mib(r.get("peak_mem_bytes")),
             _mib(r.get("peak_reserved_bytes")),

@@ -24,7 +24,11 @@ variant, mode after mode:
   the next (``benchmarks/NOTES.md``, eleventh session). (``Options.interleaved=False`` times each variant right after
   its setup instead, as earlier runs did.)
 * ``in_graphs_us`` (graph variants): the part of that time spent inside the graph runners' calls: the fraction
-  :func:`in_graphs_fraction` measures right after the setup, times ``median_us``; the rest is Thunder around them.
+  :func:`in_graphs_fractions` measures right after the setup, times ``median_us``; the rest is Thunder around them.
+* ``checks_us`` (cudagraphex variants): the part of ``in_graphs_us`` spent outside the replays of the graphs (their
+  input copies, launches and hand-out of outputs): the guard, the static-address compare and the liveness check of
+  every region call, and the whole of any call that took the slow path. ``median_us - checks_us`` is what the same
+  graphs would take replayed with no checks at all, the floor of any runner of them (an unsafe one).
 
 ``torch.compile(mode="reduce-overhead")`` is set up first, and timed right after its setup (``TIMED_AT_SETUP``):
 interleaved timing makes a second case of each compiled model, and reduce-overhead's second ``train_bwd`` case
@@ -61,13 +65,14 @@ from benchmarks.variants import (
 from benchmarks.workloads import WORKLOADS, Setup, Workload
 
 __all__ = [
+    "InGraphs",
     "Options",
     "Prepared",
     "Suite",
     "compare",
     "emulated_executor",
     "free_memory",
-    "in_graphs_fraction",
+    "in_graphs_fractions",
     "prepare",
     "time_per_call_us",
 ]
@@ -190,40 +195,57 @@ def time_per_call_us(call: Callable[[], None], sync: Callable[[], None], options
     return statistics.median(_block_us(call, iters, sync) for _ in range(max(1, options.reps)))
 
 
-def in_graphs_fraction(call: Callable[[], None], sync: Callable[[], None], options: Options) -> float:
-    """The fraction of ``call``'s wall time spent in the calls of graph runners: cudagraphex's regions and the runner
-    of Thunder's ``CUDAGraphTransform`` (input copies, address and liveness checks, graph launches; the GPU work runs
-    asynchronously). The rest of a call is the caller's: Thunder's prologue, its autograd functions, eager ops.
+@dataclass(frozen=True)
+class InGraphs:
+    """Fractions of a call's wall time spent in graph runners, from :func:`in_graphs_fractions`."""
 
-    Measured over one block of ``call`` (about ``options.rep_target_s``) with both runners wrapped in a timer, which
-    adds well under a microsecond per runner call."""
+    #: In the calls of graph runners: cudagraphex's regions and the runner of Thunder's ``CUDAGraphTransform``.
+    runners: float
+    #: In cudagraphex's region calls outside their replays (``checks_us`` in the module docstring).
+    checks: float
+
+
+def in_graphs_fractions(call: Callable[[], None], sync: Callable[[], None], options: Options) -> InGraphs:
+    """The fractions of ``call``'s wall time spent in the calls of graph runners (input copies, address and liveness
+    checks, graph launches; the GPU work runs asynchronously), and in cudagraphex's checks (its region calls less
+    their replays). The rest of a call is the caller's: Thunder's prologue, its autograd functions, eager ops.
+
+    Measured over one block of ``call`` (about ``options.rep_target_s``) with the runners and cudagraphex's replays
+    wrapped in timers, which add well under a microsecond per runner call."""
     from thunder.transforms.cudagraph import CUDAGraphRunner
 
-    from cudagraphex.runtime import GraphedRegion
+    from cudagraphex.runtime import GraphedRegion, _Instance
 
-    inside = [0.0]
+    inside = {"runners": 0.0, "replays": 0.0, "regions": 0.0}
 
-    def timed(method: Callable) -> Callable:
+    def timed(method: Callable, *counters: str) -> Callable:
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
-                inside[0] += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                for counter in counters:
+                    inside[counter] += elapsed
 
         return wrapper
 
     iters = _iters_per_block(call, sync, options)
-    patched = [(GraphedRegion, "__call__"), (CUDAGraphRunner, "call_cuda_graph")]
-    originals = [getattr(cls, name) for cls, name in patched]
-    for (cls, name), method in zip(patched, originals, strict=True):
-        setattr(cls, name, timed(method))
+    patched = {
+        (GraphedRegion, "__call__"): ("runners", "regions"),
+        (CUDAGraphRunner, "call_cuda_graph"): ("runners",),
+        (_Instance, "replay"): ("replays",),
+    }
+    originals = {target: getattr(*target) for target in patched}
+    for (cls, name), counters in patched.items():
+        setattr(cls, name, timed(originals[(cls, name)], *counters))
     try:
-        total_us = _block_us(call, iters, sync) * iters
+        total_s = _block_us(call, iters, sync) * iters / 1e6
     finally:
-        for (cls, name), method in zip(patched, originals, strict=True):
+        for (cls, name), method in originals.items():
             setattr(cls, name, method)
-    return min(1.0, inside[0] * 1e6 / total_us)
+    checks = max(0.0, inside["regions"] - inside["replays"])
+    return InGraphs(runners=min(1.0, inside["runners"] / total_s), checks=min(1.0, checks / total_s))
 
 
 def short_error(e: BaseException) -> str:
@@ -334,8 +356,8 @@ class Suite:
         self._prepared: dict[str, Prepared | BaseException] = {}
         #: The compiled objects of the current workload, in setup order, kept for interleaved timing.
         self._compiled: list[tuple[str, Compiled | ManualGraph]] = []
-        #: (workload, mode, variant) -> the fraction of a call spent in graph runners, for interleaved timing.
-        self._in_graphs: dict[tuple[str, str, str], float] = {}
+        #: (workload, mode, variant) -> the fractions of a call spent in graph runners, for interleaved timing.
+        self._in_graphs: dict[tuple[str, str, str], InGraphs] = {}
         self.graph_executor = _graph_executor(self.device)
         self.checkpoint: Callable[[list[Record]], object] = lambda records: None
 
@@ -495,7 +517,7 @@ class Suite:
                 record.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device) - base.reserved
             if record.variant in (*GRAPH_VARIANTS, "thunder+CUDAGraphTransform"):
                 key = (record.workload, record.mode, record.variant)
-                self._in_graphs[key] = in_graphs_fraction(case.call, self._sync, self.options)
+                self._in_graphs[key] = in_graphs_fractions(case.call, self._sync, self.options)
             if record.variant != "kernel-floor" and (not self.options.interleaved or record.variant in TIMED_AT_SETUP):
                 self._set_time(record, time_per_call_us(case.call, self._sync, self.options))
             if record.variant == "torch.compile(reduce-overhead)" and _cudagraph_skips() > skips_before:
@@ -514,9 +536,11 @@ class Suite:
 
     def _set_time(self, record: Record, median_us: float) -> None:
         record.median_us = median_us
-        fraction = self._in_graphs.get((record.workload, record.mode, record.variant))
-        if fraction is not None:
-            record.in_graphs_us = median_us * fraction
+        fractions = self._in_graphs.get((record.workload, record.mode, record.variant))
+        if fractions is not None:
+            record.in_graphs_us = median_us * fractions.runners
+            if record.variant in GRAPH_VARIANTS:
+                record.checks_us = median_us * fractions.checks
 
     def _time_interleaved(self, workload: Workload) -> None:
         """Times the variants of ``workload`` set up without error, mode by mode, in rounds (the module docstring)."""

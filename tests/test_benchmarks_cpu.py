@@ -97,6 +97,7 @@ def _fake_records():
         }
         for w, m, v, t in rows
     ]
+    records[3].update(in_graphs_us=40.0, checks_us=12.5)
     records.append(
         {
             "workload": "mlp16x256-b8",
@@ -138,6 +139,8 @@ def test_writers_show_ratios_to_both_references(tmp_path):
     assert eager["x manual-graph"] == "3.00" and eager["x CUDAGraphTransform"] == "1.50"
     assert rows[("inference", "thunder+cudagraphex")]["x manual-graph"] == "1.20"
     assert rows[("inference", "thunder+cudagraphex")]["x CUDAGraphTransform"] == "0.60"
+    assert rows[("inference", "thunder+cudagraphex")]["in graphs µs"] == "40.0"
+    assert rows[("inference", "thunder+cudagraphex")]["checks µs"] == "12.5"
     assert rows[("train_step", "eager")]["x manual-graph"] == "2.00"
     assert rows[("train_step", "eager")]["x CUDAGraphTransform"] == "–"  # no reference in that mode
     failed = rows[("train_step", "torch.compile")]
@@ -145,7 +148,7 @@ def test_writers_show_ratios_to_both_references(tmp_path):
     assert eager["peak MiB"] == "3"
 
     md = paths["md"].read_text()
-    assert "| mlp16x256-b8 | inference | eager | 300.0 | – | 3.00 | 1.50 |" in md
+    assert "| mlp16x256-b8 | inference | eager | 300.0 | – | – | 3.00 | 1.50 |" in md
     assert "per copied input" in md
     assert "Note: merged from two runs" in md
 
@@ -187,7 +190,9 @@ def test_measuring_code_on_the_cpu_with_the_emulated_backend(interleaved):
         graphed = records[("mlp16x256-b8", mode, "thunder+cudagraphex")]
         assert "cudagraphex:" in graphed.note and "0 graph(s)" not in graphed.note
         assert 0 < graphed.in_graphs_us < graphed.median_us  # the emulated replay runs the region's ops
+        assert 0 < graphed.checks_us < graphed.in_graphs_us / 2  # the replay of the region's ops dominates here
         assert records[("mlp16x256-b8", mode, "eager")].in_graphs_us is None
+        assert records[("mlp16x256-b8", mode, "eager")].checks_us is None
         if not torch.cuda.is_available():  # with CUDA present, capturing CPU work "succeeds" (with a warning)
             assert records[("mlp16x256-b8", mode, "manual-graph")].error  # needs CUDA: recorded, not raised
 
