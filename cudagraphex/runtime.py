@@ -29,12 +29,16 @@ Who owns which memory
     A graph keeps its outputs alive; those tensors are its *anchors*. An output the trace returns (a forward output,
     a gradient) is never handed out as its anchor, because the caller may change its metadata (autograd sets
     ``grad_fn`` on a forward output): it is handed out as a new tensor aliasing the anchor's storage (no copy), or as a
-    copy once the caller was seen to hold it across calls. An output the trace does not return (a tensor saved for
-    backward, an intermediate that a later symbol reads) is handed out as the anchor itself, which Thunder's code
-    only reads, passes on and saves; that spares a ``detach`` per output and replay. An output that aliases a static
-    input (a view of a parameter) is handed out as a new tensor on that input's storage. How each output is handed
-    out is decided once per instance (``_Instance.plan_handout``). Input buffers are ordinary allocations owned by
-    the graph. Everything is owned by the compiled function, through its compile data, and is freed with it.
+    copy once the caller was seen to hold it across calls. Outputs that share a storage share a version counter, as in
+    eager, so that autograd sees an in-place write to one through the others: they are aliased with
+    ``anchor.detach()``, and their copies are made to share one. An output alone on its storage is aliased with the
+    cheaper ``anchor.data``, whose version counter is its own (the anchor's, which nothing reads, does not follow it).
+    An output the trace does not return (a tensor saved for backward, an intermediate that a later symbol reads) is
+    handed out as the anchor itself, which Thunder's code only reads, passes on and saves; that spares an alias per
+    output and replay. An output that aliases a static input (a view of a parameter) is handed out as a view of that
+    input. How each output is handed out is decided once per instance (``_Instance.plan_handout``). Input buffers are
+    ordinary allocations owned by the graph. Everything is owned by the compiled function, through its compile data,
+    and is freed with it.
 
 When a graph may be replayed
     A replay writes every storage the graph allocated during capture, and may write storages that graphs captured
@@ -223,9 +227,21 @@ def _input_buffer(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[in
     return buf, buf, ()
 
 
-def _alias(storage: torch.UntypedStorage, like: torch.Tensor, meta: tuple) -> torch.Tensor:
+def _view_of(source: torch.Tensor, meta: tuple) -> torch.Tensor:
+    """A view of ``source`` laid out as ``meta``: it shares ``source``'s version counter, as a view does in eager."""
     size, stride, offset = meta
-    return torch.empty(0, dtype=like.dtype, device=like.device).set_(storage, offset, size, stride)
+    return source.detach().as_strided(size, stride, offset)
+
+
+def _sharing_one_version(storage: torch.UntypedStorage, members: list[tuple[int, torch.Tensor, tuple]]) -> list:
+    """(output index, new tensor on ``storage`` laid out as the member) per member, all with one version counter, as
+    outputs sharing a storage have in eager. They are not views: ``detach`` shares the counter, ``set_`` the layout
+    (its version bump lands on the new counter, which nothing has read yet)."""
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    return [
+        (i, flat.view(member.dtype).detach().set_(storage, offset, size, stride))
+        for i, member, (size, stride, offset) in members
+    ]
 
 
 class _Instance:
@@ -373,19 +389,24 @@ class _Instance:
     def plan_handout(self) -> None:
         """Decides how each output that is not handed out as its anchor is handed out, from the region's copies."""
         copy = self.region.copy_output
-        #: (output index, anchor): handed out as ``anchor.detach()``
+        #: (output index, anchor): handed out as ``anchor.data`` (the output alone uses its storage)
+        self.unshared: list[tuple[int, torch.Tensor]] = []
+        #: (output index, anchor): handed out as ``anchor.detach()`` (outputs that share a storage share its version
+        #: counter)
         self.detached: list[tuple[int, torch.Tensor]] = []
-        #: (output index, static input index, (size, stride, offset)): a new tensor on the static input's storage
+        #: (output index, static input index, (size, stride, offset)): a view of the static input
         self.aliased = [(i, b[0], b[1]) for i, b in enumerate(self.borrowed) if b is not None]
         #: (output index, anchor): handed out as ``anchor.clone()``
         self.cloned: list[tuple[int, torch.Tensor]] = []
-        #: (an anchor of the storage, its members' (output index, anchor, (size, stride, offset))): one storage copy
+        #: (an anchor of the storage, its members' (output index, anchor, (size, stride, offset))): one storage copy,
+        #: its members sharing one version counter
         self.storage_copies: list[tuple[torch.Tensor, list[tuple[int, torch.Tensor, tuple]]]] = []
         for g, members in enumerate(self.group_members):
             if not self.group_returned[g]:
                 continue
             if not any(copy[i] for i in members):
-                self.detached += [(i, self.anchors[i]) for i in members]
+                aliases = self.unshared if len(members) == 1 else self.detached
+                aliases += [(i, self.anchors[i]) for i in members]
             elif len(members) == 1:
                 self.cloned.append((members[0], self.anchors[members[0]]))
             else:
@@ -455,6 +476,8 @@ class _Instance:
             torch._foreach_copy_([args[i] for i, _ in self.copy_back], [buf for _, buf in self.copy_back])
         self.replays += 1
         out = self.template.copy()
+        for i, anchor in self.unshared:
+            out[i] = anchor.data
         for i, anchor in self.detached:
             out[i] = anchor.detach()
         if self.rebuilt:
@@ -463,13 +486,12 @@ class _Instance:
 
     def _rebuild_outputs(self, out: list[torch.Tensor | None], args: Sequence[torch.Tensor]) -> None:
         for i, source, meta in self.aliased:
-            out[i] = _alias(args[source].untyped_storage(), args[source], meta)
+            out[i] = _view_of(args[source], meta)
         for i, anchor in self.cloned:
             out[i] = anchor.clone()
         for anchor, members in self.storage_copies:
-            storage = anchor.untyped_storage().clone()
-            for i, member, meta in members:
-                out[i] = _alias(storage, member, meta)
+            for i, tensor in _sharing_one_version(anchor.untyped_storage().clone(), members):
+                out[i] = tensor
 
 
 class GraphedRegion:

@@ -253,7 +253,85 @@ def test_saved_tensors_are_handed_out_as_their_anchors():
     names = forward.info.output_names
     handed_as_anchor = {names[i] for i, t in enumerate(inst.template) if t is not None}
     assert handed_as_anchor and handed_as_anchor.isdisjoint(forward.info.returned)
-    assert {names[i] for i, _ in inst.detached} == set(forward.info.returned)
+    assert {names[i] for i, _ in inst.unshared + inst.detached} == set(forward.info.returned)
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["released", "kept_across_calls"])
+def test_outputs_sharing_a_storage_share_a_version_counter(backend, kept):
+    """An in-place write to one returned output reaches autograd through another on its storage, as in eager, whether
+    the outputs are aliases of the graph's or (kept across calls) copies."""
+
+    def f(x):
+        y = x * 2 + 1
+        return y, y.view(-1)
+
+    jf = jit(f, backend.executor)
+    x = torch.randn(4, 4, device=backend.device)
+    w = torch.ones(16, device=backend.device, requires_grad=True)
+    held = []
+    for _ in range(5):
+        y, flat = jf(x)
+        loss = (flat * w).sum()  # saves flat for w's gradient
+        y.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        if kept:
+            held.append((y, flat))
+        del y, flat, loss  # unless kept, released before the next call, which then replays and aliases again
+    (region,) = regions(jf, backend.executor)
+    inst = region.instances[-1]
+    assert (len(inst.storage_copies), len(inst.detached)) == ((1, 0) if kept else (0, 2))
+    assert not inst.unshared and inst.replays >= 2
+
+
+def test_output_that_views_a_parameter_shares_its_version_counter(backend):
+    """As in eager: an in-place update of the parameter reaches autograd through the returned view."""
+
+    class ReturnsItsWeight(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x):
+            return x * 2 + 1, self.weight.view(-1)
+
+    model = ReturnsItsWeight().to(backend.device)
+    jm = jit(model, backend.executor)
+    x = torch.randn(4, 4, device=backend.device)
+    v = torch.ones(16, device=backend.device, requires_grad=True)
+    for _ in range(4):
+        with torch.no_grad():
+            y, weight_view = jm(x)
+        loss = (weight_view * v).sum()  # saves weight_view for v's gradient
+        with torch.no_grad():
+            model.weight.mul_(0.5)
+        # Eager and Thunder say "a view was created in no_grad mode and its base ... has been modified inplace"; the
+        # region's eager warm-up call leads to "modified by an inplace operation". Either way autograd refuses.
+        with pytest.raises(RuntimeError, match="inplace"):
+            loss.backward()
+        with torch.no_grad():
+            assert torch.equal(weight_view, model.weight.view(-1))  # the parameter's memory, after the update
+        del y, weight_view, loss
+    (region,) = regions(jm, backend.executor)
+    (inst,) = region.instances
+    assert len(inst.aliased) == 1 and inst.replays >= 2
+
+
+def test_an_output_alone_on_its_storage_is_handed_out_as_a_new_alias(backend):
+    """Its own tensor: metadata the caller sets on it never reaches the graph's."""
+    jf = jit(lambda x: x * 2 + 1, backend.executor)
+    x = torch.randn(4, 4, device=backend.device)
+    for _ in range(4):  # warm-up, capture, replays
+        out = jf(x)
+        torch.testing.assert_close(out, x * 2 + 1)
+        out.requires_grad_()
+        del out  # released before the next call, so that it replays and hands out an alias again
+    (region,) = regions(jf, backend.executor)
+    (inst,) = region.instances
+    ((_, anchor),) = inst.unshared
+    out = jf(x)
+    assert out is not anchor and out.data_ptr() == anchor.data_ptr() and not out.requires_grad
+    assert not anchor.requires_grad and not inst.detached and inst.replays >= 3
 
 
 def test_saved_anchor_liveness_bites(monkeypatch):
