@@ -275,7 +275,8 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
             "prologue, autograd functions and eager ops around the graphs",
             "checks_us": "cudagraphex variants: the part of in_graphs_us outside the graphs' replays (input copies, "
             "launches, hand-out of outputs): the guard, static-address compare and liveness check of every region "
-            "call, and slow-path calls whole; median_us - checks_us is the same graphs replayed with no checks",
+            "call, and the slow path's dispatch, captures and eager runs; median_us - checks_us is the same graphs "
+            "replayed with no checks",
             "peak_reserved_bytes": "the same for torch.cuda.max_memory_reserved (graph pools keep freed blocks there)",
             "correct": "outputs (and gradients in training modes) within tolerance of eager: relative error "
             "(Frobenius) <= 1e-3 in fp32, 5e-2 in bf16",

@@ -49,8 +49,8 @@ class Record:
     #: of Thunder's CUDAGraphTransform): input copies, checks, graph launches. The rest is Thunder around the graphs.
     in_graphs_us: float | None = None
     #: cudagraphex variants: the part of ``in_graphs_us`` outside the graphs' replays (the guard, address compare and
-    #: liveness check of every region call; slow-path calls whole). ``median_us - checks_us`` is the same graphs'
-    #: time with no checks at all.
+    #: liveness check of every region call; the slow path's dispatch, captures and eager runs). ``median_us -
+    #: checks_us`` is the same graphs' time with no checks at all.
     checks_us: float | None = None
     #: Largest relative error (norm of the difference over norm of eager's) among the compared tensors.
     rel_err: float | None = None

@@ -27,8 +27,8 @@ variant, mode after mode:
   :func:`in_graphs_fractions` measures right after the setup, times ``median_us``; the rest is Thunder around them.
 * ``checks_us`` (cudagraphex variants): the part of ``in_graphs_us`` spent outside the replays of the graphs (their
   input copies, launches and hand-out of outputs): the guard, the static-address compare and the liveness check of
-  every region call, and the whole of any call that took the slow path. ``median_us - checks_us`` is what the same
-  graphs would take replayed with no checks at all, the floor of any runner of them (an unsafe one).
+  every region call, and the slow path's own work (dispatch, captures, eager runs). ``median_us - checks_us`` is what
+  the same graphs would take replayed with no checks at all, the floor of any runner of them (an unsafe one).
 
 ``torch.compile(mode="reduce-overhead")`` is set up first, and timed right after its setup (``TIMED_AT_SETUP``):
 interleaved timing makes a second case of each compiled model, and reduce-overhead's second ``train_bwd`` case
