@@ -36,7 +36,7 @@ Who owns which memory
     An output the trace does not return (a tensor saved for backward, an intermediate that a later symbol reads) is
     handed out as the anchor itself, which Thunder's code only reads, passes on and saves; that spares an alias per
     output and replay. An output that aliases a static input (a view of a parameter) is handed out as a view of that
-    input. How each output is handed out is decided once per instance (``_Instance.plan_handout``). Input buffers are
+    input, in the output's dtype. How each output is handed out is decided once per instance (``_Instance.plan_handout``). Input buffers are
     ordinary allocations owned by the graph. Everything is owned by the compiled function, through its compile data,
     and is freed with it.
 
@@ -228,18 +228,24 @@ def _input_buffer(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[in
 
 
 def _view_of(source: torch.Tensor, meta: tuple) -> torch.Tensor:
-    """A view of ``source`` laid out as ``meta``: it shares ``source``'s version counter, as a view does in eager."""
-    size, stride, offset = meta
-    return source.detach().as_strided(size, stride, offset)
+    """A view of ``source``'s storage laid out as ``meta`` (dtype, size, stride, offset): it shares ``source``'s version
+    counter, as a view does in eager. Another dtype goes through a flat view of the whole storage, which raises (never
+    guesses) where that storage's size is not a multiple of the new item size."""
+    dtype, size, stride, offset = meta
+    base = source.detach()
+    if dtype != base.dtype:
+        whole = base.untyped_storage().nbytes() // base.element_size()
+        base = base.as_strided((whole,), (1,), 0).view(dtype)
+    return base.as_strided(size, stride, offset)
 
 
 def _sharing_one_version(storage: torch.UntypedStorage, members: list[tuple[int, torch.Tensor, tuple]]) -> list:
     """(output index, new tensor on ``storage`` laid out as the member) per member, all with one version counter, as
     outputs sharing a storage have in eager. They are not views: ``detach`` shares the counter, ``set_`` the layout
-    (its version bump lands on the new counter, which nothing has read yet)."""
-    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    (its version bump lands on the new counter, which nothing has read yet). The empty byte tensor takes any dtype."""
+    empty = torch.empty(0, dtype=torch.uint8, device=storage.device)
     return [
-        (i, flat.view(member.dtype).detach().set_(storage, offset, size, stride))
+        (i, empty.view(member.dtype).detach().set_(storage, offset, size, stride))
         for i, member, (size, stride, offset) in members
     ]
 
@@ -353,7 +359,7 @@ class _Instance:
                 continue
             storage = out.untyped_storage()
             if storage.data_ptr() in static_storages:
-                meta = (out.shape, out.stride(), out.storage_offset())
+                meta = (out.dtype, out.shape, out.stride(), out.storage_offset())
                 self.borrowed.append((static_storages[storage.data_ptr()], meta))
                 self.anchors.append(None)
                 self.group_of.append(-1)
@@ -394,7 +400,7 @@ class _Instance:
         #: (output index, anchor): handed out as ``anchor.detach()`` (outputs that share a storage share its version
         #: counter)
         self.detached: list[tuple[int, torch.Tensor]] = []
-        #: (output index, static input index, (size, stride, offset)): a view of the static input
+        #: (output index, static input index, (dtype, size, stride, offset)): a view of the static input
         self.aliased = [(i, b[0], b[1]) for i, b in enumerate(self.borrowed) if b is not None]
         #: (output index, anchor): handed out as ``anchor.clone()``
         self.cloned: list[tuple[int, torch.Tensor]] = []
