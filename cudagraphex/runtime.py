@@ -36,9 +36,9 @@ Who owns which memory
     An output the trace does not return (a tensor saved for backward, an intermediate that a later symbol reads) is
     handed out as the anchor itself, which Thunder's code only reads, passes on and saves; that spares an alias per
     output and replay. An output that aliases a static input (a view of a parameter) is handed out as a view of that
-    input, in the output's dtype. How each output is handed out is decided once per instance (``_Instance.plan_handout``). Input buffers are
-    ordinary allocations owned by the graph. Everything is owned by the compiled function, through its compile data,
-    and is freed with it.
+    input, in the output's dtype. How each output is handed out is decided once per instance
+    (``_Instance.plan_handout``). Input buffers are ordinary allocations owned by the graph. Everything is owned by the
+    compiled function, through its compile data, and is freed with it.
 
 When a graph may be replayed
     A replay writes every storage the graph allocated during capture, and may write storages that graphs captured
