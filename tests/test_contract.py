@@ -284,18 +284,21 @@ def test_outputs_sharing_a_storage_share_a_version_counter(backend, kept):
     assert not inst.unshared and inst.replays >= 2
 
 
+class _ReturnsAViewOfItsWeight(torch.nn.Module):
+    """Returns ``self.weight.view(view_arg)`` beside a computed output: a region output that aliases a parameter."""
+
+    def __init__(self, view_arg):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+        self.view_arg = view_arg
+
+    def forward(self, x):
+        return x * 2 + 1, self.weight.view(self.view_arg)
+
+
 def test_output_that_views_a_parameter_shares_its_version_counter(backend):
     """As in eager: an in-place update of the parameter reaches autograd through the returned view."""
-
-    class ReturnsItsWeight(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(4, 4))
-
-        def forward(self, x):
-            return x * 2 + 1, self.weight.view(-1)
-
-    model = ReturnsItsWeight().to(backend.device)
+    model = _ReturnsAViewOfItsWeight(-1).to(backend.device)
     jm = jit(model, backend.executor)
     x = torch.randn(4, 4, device=backend.device)
     v = torch.ones(16, device=backend.device, requires_grad=True)
@@ -318,15 +321,7 @@ def test_output_that_views_a_parameter_shares_its_version_counter(backend):
 
 
 def test_output_that_views_a_parameter_as_another_dtype_keeps_that_dtype(backend):
-    class BitcastsItsWeight(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(4, 4))
-
-        def forward(self, x):
-            return x * 2 + 1, self.weight.view(torch.int32)
-
-    model = BitcastsItsWeight().to(backend.device)
+    model = _ReturnsAViewOfItsWeight(torch.int32).to(backend.device)
     jm = jit(model, backend.executor)
     x = torch.randn(4, 4, device=backend.device)
     for _ in range(4):
