@@ -9,8 +9,8 @@ graph read them in place), replayed three ways on the same captured graph, and i
 (b) ``region call``: the ``GraphedRegion`` called directly with the region's inputs (guards, the batched input copy,
     the liveness check, the replay, handing out the outputs);
 (c) ``graph.replay``: ``torch.cuda.CUDAGraph.replay()`` alone;
-(d) ``input copy``, for the k copied inputs: the copy the region call launches (``buffer.copy_(x)`` for one input,
-    one ``torch._foreach_copy_`` for more), alone. Any runner pays it for inputs that are not where the graph reads
+(d) ``input copy``, for the k copied inputs: the copy the region call launches (``_Instance.copy_in``: one
+    ``copy_`` for one input, one ``torch._foreach_copy_`` for more), alone. Any runner pays it for inputs that are not where the graph reads
     them, and it is the part of (b) that depends most on how fast the host launches work.
 
 A second function, ``hundred_outputs``, returns each of its 100 ops' results, so its region hands out 100 outputs.
@@ -246,22 +246,15 @@ def _prepare(
             graph.replay(args)
 
     calls = {"thunder call": thunder_call, "region call": region_call, "graph.replay": replay}
-    # What the region call does with its copied inputs (``_Instance.replay``).
-    buffers = region.instances[0].buffers
-    copied = list(region.instances[0].pick_copied(args))
-    if len(buffers) == 1:
-        (buffer,), (x,) = buffers, copied
+    # What the region call does with its copied inputs: the method ``_Instance.replay`` calls.
+    instance = region.instances[0]
+    if instance.buffers:
+        copied = list(instance.pick_copied(args))
 
         def input_copy() -> None:
-            buffer.copy_(x)
+            instance.copy_in(copied)
 
         calls[_COPY] = input_copy
-    elif buffers:
-
-        def input_copies() -> None:
-            torch._foreach_copy_(buffers, copied)
-
-        calls[_COPY] = input_copies
     return calls
 
 
