@@ -10,8 +10,8 @@ graph read them in place), replayed three ways on the same captured graph, and i
     the liveness check, the replay, handing out the outputs);
 (c) ``graph.replay``: ``torch.cuda.CUDAGraph.replay()`` alone;
 (d) ``input copy``, for the k copied inputs: the copy the region call launches (``_Instance.copy_in``: one
-    ``copy_`` for one input, one ``torch._foreach_copy_`` for more), alone. Any runner pays it for inputs that are not where the graph reads
-    them, and it is the part of (b) that depends most on how fast the host launches work.
+    ``copy_`` for one input, one ``torch._foreach_copy_`` for more), alone. Any runner pays it for inputs that are
+    not where the graph reads them, and it is the part of (b) that depends most on how fast the host launches work.
 
 A second function, ``hundred_outputs``, returns each of its 100 ops' results, so its region hands out 100 outputs.
 A last case warms ``hundred_ops`` up on its one input itself, so that the graph reads that input in place (no copy).
