@@ -1,8 +1,12 @@
 """The main job: ``python -m benchmarks [--workloads ...] [--modes ...] [--variants ...] [--micro] [--quick] ...``.
 
 On a GPU it runs the benchmarks, prints a table, and writes ``<out>/<date>-<gpu>.json``, ``.md`` and ``.png``. Without
-one it says so and prints cudagraphex's capture plan for each workload instead (exit status 0 in both cases).
-Unknown names in ``--workloads``, ``--modes`` or ``--variants`` are a usage error (exit status 2).
+one it says so and prints cudagraphex's capture plan for each workload instead. Every failure is printed with its
+whole traceback, and the last line says which tasks (or capture plans) failed unexpectedly.
+
+Exit status: 0 when nothing failed unexpectedly (failures listed in ``benchmarks.suite.EXPECTED_FAILURES`` and tasks
+skipped for the time budget do not count); 1 when a task or a capture plan failed unexpectedly; 2 for a usage error,
+such as an unknown name in ``--workloads``, ``--modes`` or ``--variants``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import datetime
 import os
 import platform
 import sys
+import textwrap
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -36,6 +41,36 @@ def _names(kind: str, choices: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
+def _fill(text: str, **kwargs: str) -> str:
+    """``text`` wrapped for ``--help``, never breaking a name (``mlp16x256-b8``) across lines."""
+    return textwrap.fill(text, 78, break_on_hyphens=False, break_long_words=False, **kwargs)
+
+
+def _help_epilog() -> str:
+    """The names ``--workloads``, ``--modes`` and ``--variants`` take, the expected failures and the exit status."""
+    from benchmarks.suite import EXPECTED_FAILURES
+    from benchmarks.variants import VARIANTS
+    from benchmarks.workloads import MODES, WORKLOADS
+
+    def paragraph(text: str, indent: str = "") -> str:
+        return _fill(text, initial_indent=indent, subsequent_indent=indent + "  ")
+
+    parts = [paragraph(f"workloads: {', '.join(WORKLOADS)}"), paragraph(f"modes: {', '.join(MODES)}")]
+    parts.append(paragraph(f"variants: {', '.join(VARIANTS)}"))
+    parts.append("expected failures (recorded with their reason; they do not fail the job):")
+    parts += [
+        paragraph(f"{f.workload} / {f.mode} / {f.variant}, an error with {f.error!r}: {f.reason}", "  ")
+        for f in EXPECTED_FAILURES
+    ]
+    parts.append(
+        paragraph(
+            "exit status: 0 when nothing failed unexpectedly; 1 when a task (a workload, mode and variant, or the "
+            "microbenchmark) or, without a GPU, a capture plan failed unexpectedly; 2 for a usage error."
+        )
+    )
+    return "\n".join(parts)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the command line; exits with status 2 and a message naming the bad value on an unknown name."""
     from benchmarks.variants import VARIANTS
@@ -43,12 +78,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description="Benchmarks of cudagraphex against eager, Thunder, CUDAGraphTransform, torch.compile and "
-        "hand-captured CUDA graphs. Without a GPU, prints the capture plan instead.",
+        description=_fill(
+            "Benchmarks of cudagraphex against eager, Thunder, CUDAGraphTransform, torch.compile and hand-captured "
+            "CUDA graphs. Without a GPU, prints the capture plan instead."
+        ),
+        epilog=_help_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--workloads", type=_names("workload", list(WORKLOADS)), help="comma-separated; default all")
-    parser.add_argument("--modes", type=_names("mode", MODES), help="comma-separated; default all")
-    parser.add_argument("--variants", type=_names("variant", VARIANTS), help="comma-separated; default all")
+    parser.add_argument(
+        "--workloads", type=_names("workload", list(WORKLOADS)), help="comma-separated (names below); default all"
+    )
+    parser.add_argument("--modes", type=_names("mode", MODES), help="comma-separated (names below); default all")
+    parser.add_argument(
+        "--variants", type=_names("variant", VARIANTS), help="comma-separated (names below); default all"
+    )
     parser.add_argument(
         "--micro",
         action="store_true",
@@ -227,7 +270,22 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
                 print(f"  python -m benchmarks --merge --workloads {workload} --variants '{','.join(variants)}'")
     written = ", ".join(p.name for p in paths.values())
     print(f"Total {elapsed:.0f} s. Results in {args.out}: {written}")
-    return 0
+    unexpected = suite.unexpected_failures()
+    expected = sum(1 for r in records if r.error and r.expected_failure)
+    print(_failure_summary(unexpected, expected), flush=True)
+    return 1 if unexpected else 0
+
+
+def _failure_summary(unexpected: Sequence[Any], expected: int) -> str:
+    """The last line of a run: how many tasks failed unexpectedly, and which (grouped by workload and variant)."""
+    also = f" ({expected} failed as expected)" if expected else ""
+    if not unexpected:
+        return f"No task failed unexpectedly{also}."
+    modes: dict[tuple[str, str], list[str]] = {}
+    for r in unexpected:
+        modes.setdefault((r.workload, r.variant), []).append(r.mode)
+    which = "; ".join(f"{w} / {v} ({', '.join(m)})" for (w, v), m in modes.items())
+    return f"FAILED: {len(unexpected)} task(s) failed unexpectedly{also}: {which}"
 
 
 def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_s: float) -> dict[str, Any]:
@@ -340,7 +398,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.run_micro:
             print("(The microbenchmark needs a GPU; it is skipped.)")
-        show_plan(args.workloads, args.modes, out=lambda line: print(line, flush=True))
+        failed = show_plan(args.workloads, args.modes, out=lambda line: print(line, flush=True))
+        if failed:
+            print(f"\nFAILED: the capture plan of {len(failed)} workload(s) failed: {', '.join(failed)}", flush=True)
+            return 1
+        print(f"\nNo capture plan failed ({len(args.workloads)} workload(s)).", flush=True)
         return 0
     return _run_gpu(args)
 

@@ -127,14 +127,16 @@ def run_micro(
     options,
     sync: Callable[[], None],
     progress: Callable[[str], None] = lambda label: None,
+    log: Callable[[str], None] = lambda line: None,
 ) -> tuple[list[Record], dict]:
     """Measures (a), (b) and (c) for every k in ``K_VALUES`` and for ``hundred_outputs``; returns the records and the
     derived host breakdown.
 
     ``executor`` is the cudagraphex executor (an emulating one on the CPU, where (c) replays the emulation). Errors
-    are recorded per measurement; the breakdown holds None where its inputs are missing.
+    are recorded per measurement, and their whole tracebacks go to ``log``; the breakdown holds None where its inputs
+    are missing.
     """
-    from benchmarks.suite import short_error
+    from benchmarks.suite import full_error, short_error
 
     records: list[Record] = []
     # (key, function, k, whether the graph reads its inputs in place)
@@ -152,6 +154,7 @@ def run_micro(
         except Exception as e:  # noqa: BLE001 - recorded for the whole group
             for record in group:
                 record.error = record.error or short_error(e)
+            log(f"{MICRO_WORKLOAD} / {label}: failed:\n{full_error(e)}")
         records += group
     blocks: dict[int, list[float]] = {id(record): [] for _, _, record, _ in timed}
     failed: set[int] = set()
@@ -169,6 +172,7 @@ def run_micro(
                 except Exception as e:  # noqa: BLE001 - recorded; the other measurements go on
                     record.error = short_error(e)
                     failed.add(id(record))
+                    log(f"{MICRO_WORKLOAD} / {record.variant}: failed:\n{full_error(e)}")
     sync()
     medians: dict[str, dict[int | str, float]] = {name: {} for name in (*_WAYS, _COPY)}
     for key, name, record, _ in timed:

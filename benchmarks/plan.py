@@ -26,12 +26,13 @@ def _plan_executor():
     return emulated_executor(PLAN_EXECUTOR_NAME)
 
 
-def show_plan(workloads: Sequence[str], modes: Sequence[str], out: Callable[[str], None] = print) -> None:
-    """Prints, for each workload, the cudagraphex capture plan of its (reduced) model on the CPU.
+def show_plan(workloads: Sequence[str], modes: Sequence[str], out: Callable[[str], None] = print) -> list[str]:
+    """Prints, for each workload, the cudagraphex capture plan of its (reduced) model on the CPU; returns the names of
+    the workloads whose plan failed.
 
     Inference is shown if ``inference`` is among ``modes``, a training step if any training mode is. A workload that
-    needs ``transformers`` is skipped when it is not installed; a workload that fails prints its error. Never raises
-    for a workload's failure.
+    needs ``transformers`` is skipped when it is not installed; a workload that fails prints its whole traceback.
+    Never raises for a workload's failure.
     """
     executor = _plan_executor()
     device = torch.device("cpu")
@@ -39,19 +40,21 @@ def show_plan(workloads: Sequence[str], modes: Sequence[str], out: Callable[[str
     # Thunder's tracing allocates millions of short-lived objects; collecting rarely makes it noticeably faster.
     gc.set_threshold(max(thresholds[0], 100_000), *thresholds[1:])
     try:
-        _show(workloads, modes, out, executor, device)
+        return _show(workloads, modes, out, executor, device)
     finally:
         gc.set_threshold(*thresholds)
 
 
 def _show(
     workloads: Sequence[str], modes: Sequence[str], out: Callable[[str], None], executor, device: torch.device
-) -> None:
+) -> list[str]:
     import thunder
 
+    from benchmarks.suite import full_error
     from benchmarks.workloads import TRAINING_MODES, WORKLOADS, transformers_available
     from cudagraphex import explain
 
+    failed = []
     for name in workloads:
         workload = WORKLOADS[name]
         out(f"\n=== {name}: {workload.description}")
@@ -85,4 +88,6 @@ def _show(
             )
             out(str(explain(jitted)))
         except Exception as e:  # noqa: BLE001 - reported; the other workloads go on
-            out(f"capture plan failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            out(f"capture plan failed:\n{full_error(e)}")
+            failed.append(name)
+    return failed

@@ -45,6 +45,8 @@ class Record:
     setup_s: float | None = None
     correct: bool | None = None
     error: str | None = None
+    #: When ``error`` is a failure the suite expects (``benchmarks.suite.EXPECTED_FAILURES``): its reason.
+    expected_failure: str | None = None
     #: Graph variants: the part of ``median_us`` spent in the graph runners' calls (cudagraphex's regions, the runner
     #: of Thunder's CUDAGraphTransform): input copies, checks, graph launches. The rest is Thunder around the graphs.
     in_graphs_us: float | None = None
@@ -110,6 +112,13 @@ def _cell(text: str) -> str:
     return text.replace("|", "/").replace("\n", " ")
 
 
+def _error_text(record: Mapping[str, Any]) -> str:
+    error = record.get("error") or ""
+    if error and record.get("expected_failure"):
+        return f"expected ({record['expected_failure']}): {error}"
+    return error
+
+
 def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str] = ()) -> str:
     """A Markdown table of ``records``, grouped by workload and mode, variants in the order of ``variants``."""
     columns = [
@@ -141,7 +150,7 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
             _mib(r.get("peak_reserved_bytes")),
             _num(r.get("setup_s"), ".2f"),
             "–" if correct is None else ("yes" if correct else "NO"),
-            _cell(r.get("error") or ""),
+            _cell(_error_text(r)),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

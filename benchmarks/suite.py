@@ -44,6 +44,7 @@ import contextlib
 import gc
 import statistics
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -65,13 +66,17 @@ from benchmarks.variants import (
 from benchmarks.workloads import WORKLOADS, Setup, Workload
 
 __all__ = [
+    "EXPECTED_FAILURES",
+    "ExpectedFailure",
     "InGraphs",
     "Options",
     "Prepared",
     "Suite",
     "compare",
     "emulated_executor",
+    "expected_failure",
     "free_memory",
+    "full_error",
     "in_graphs_fractions",
     "prepare",
     "time_per_call_us",
@@ -112,6 +117,41 @@ MICRO_COST_S = 15.0
 #: Variants timed right after their setup even in an interleaved run: timing needs a second case of the compiled
 #: model, and a second train_bwd case of reduce-overhead's failed in CUDA-graph trees ("invalid device pointer", H200).
 TIMED_AT_SETUP = frozenset({"torch.compile(reduce-overhead)"})
+
+
+@dataclass(frozen=True)
+class ExpectedFailure:
+    """A known failure of one (workload, mode, variant): recorded with its reason, it does not fail the job."""
+
+    workload: str
+    mode: str
+    variant: str
+    #: Matches an error whose text (``"<type>: <message>"``) contains this.
+    error: str
+    #: One line: why it fails, and why that is not this suite's or cudagraphex's to fix.
+    reason: str
+
+
+#: Every failure the main job expects. Any other failure of a requested task (an error that is not a skip for time)
+#: is unexpected and makes the job exit with status 1.
+EXPECTED_FAILURES = (
+    ExpectedFailure(
+        "nanogpt6-d256-t32-b1",
+        "train_bwd",
+        "thunder+CUDAGraphTransform",
+        "modified by an inplace operation",
+        "Thunder 0.2.6's CUDAGraphTransform: a second train_bwd case of one compiled model (interleaved timing makes "
+        "one) fails autograd's version check; --sequential times the first",
+    ),
+)
+
+
+def expected_failure(workload: str, mode: str, variant: str, error: str) -> ExpectedFailure | None:
+    """The entry of :data:`EXPECTED_FAILURES` that ``error`` (the text of a failure of that task) matches, if any."""
+    for known in EXPECTED_FAILURES:
+        if (known.workload, known.mode, known.variant) == (workload, mode, variant) and known.error in error:
+            return known
+    return None
 
 
 @dataclass(frozen=True)
@@ -252,6 +292,15 @@ def short_error(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     first = lines[0] if lines else ""
     return f"{type(e).__name__}: {first}"[:240]
+
+
+def full_error(e: BaseException) -> str:
+    """The whole traceback of ``e``, with its chained exceptions, as Python prints it."""
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip()
+
+
+#: How a task skipped for the time budget starts its error (not a failure: ``--merge`` measures it later).
+SKIPPED_FOR_TIME = "skipped: over the time budget"
 
 
 class Budget:
@@ -423,7 +472,7 @@ class Suite:
             return
         expected_s = _WORKLOAD_COST_S.get(workload.name, 10) * _VARIANT_COST.get(variant, 1.0)
         if not self.budget.fits(expected_s):
-            reason = f"skipped: over the time budget (--budget-s {self.options.budget_s:g})"
+            reason = f"{SKIPPED_FOR_TIME} (--budget-s {self.options.budget_s:g})"
             self._skip(workload, variant, modes, reason)
             self.log(f"{workload.name} / {variant}: {reason}")
             return
@@ -445,6 +494,7 @@ class Suite:
                 self._prepared[workload.name] = prepare(workload, self.modes, self.device)
             except Exception as e:  # noqa: BLE001 - recorded for every task of this workload
                 self._prepared[workload.name] = e
+                self.log(f"{workload.name}: building it failed:\n{full_error(e)}")
                 self._check_health(e, f"{workload.name}: building it")
             free_memory(self.device)
         return self._prepared[workload.name]
@@ -456,13 +506,17 @@ class Suite:
         try:
             compiled = make_variant(variant, setup.fresh_model, self.graph_executor)
         except Exception as e:  # noqa: BLE001 - recorded; the run goes on
-            self._skip(workload, variant, prepared.modes, short_error(e))
+            records = [Record(workload.name, mode, variant) for mode in prepared.modes]
+            self._failed(records, e, f"{workload.name} / {variant}: compiling it")
+            for record in records:
+                self.records.append(record)
+                self.progress(f"{workload.name} {variant} {record.mode}")
             return
         for mode in prepared.modes:
             record = Record(workload.name, mode, variant)
             if self.broken or self.budget.overrun():
-                record.error = "skipped: " + (
-                    f"the CUDA context failed earlier ({self.broken})" if self.broken else "over the time budget"
+                record.error = (
+                    f"skipped: the CUDA context failed earlier ({self.broken})" if self.broken else SKIPPED_FOR_TIME
                 )
             else:
                 self._measure(record, compiled, prepared, base)
@@ -525,8 +579,7 @@ class Suite:
             if record.variant in GRAPH_VARIANTS:
                 notes.append(_cudagraphex_summary(compiled.fn))
         except Exception as e:  # noqa: BLE001 - recorded; the run goes on
-            record.error = short_error(e)
-            self._check_health(e, f"{record.workload} / {record.variant} / {record.mode}")
+            self._failed([record], e, f"{record.workload} / {record.variant} / {record.mode}")
         finally:
             if case is not None:
                 with contextlib.suppress(Exception):
@@ -564,8 +617,7 @@ class Suite:
                         case = compiled.case(mode, prepared.setup.args(mode), prepared.grad_out)
                         cases[variant] = (case, _iters_per_block(case.call, self._sync, self.options), record)
                     except Exception as e:  # noqa: BLE001 - recorded; the other variants go on
-                        record.error = f"timing: {short_error(e)}"
-                        self._check_health(e, f"{workload.name} / {variant} / {mode}: timing")
+                        self._failed([record], e, f"{workload.name} / {variant} / {mode}: timing", "timing: ")
                 times: dict[str, list[float]] = {variant: [] for variant in cases}
                 for _ in range(max(1, self.options.reps)):
                     for variant, (case, iters, record) in cases.items():
@@ -574,8 +626,7 @@ class Suite:
                         try:
                             times[variant].append(_block_us(case.call, iters, self._sync))
                         except Exception as e:  # noqa: BLE001 - recorded; the other variants go on
-                            record.error = f"timing: {short_error(e)}"
-                            self._check_health(e, f"{workload.name} / {variant} / {mode}: timing")
+                            self._failed([record], e, f"{workload.name} / {variant} / {mode}: timing", "timing: ")
                 for variant, (_, _, record) in cases.items():
                     if record.error is None and times[variant]:
                         self._set_time(record, statistics.median(times[variant]))
@@ -590,10 +641,30 @@ class Suite:
         self.seconds_per_workload[workload.name] += took
         self.log(f"{workload.name}: timed {len(self._compiled)} variant(s) interleaved in {took:.1f} s")
 
+    def _failed(self, records: Sequence[Record], error: BaseException, where: str, prefix: str = "") -> None:
+        """Records ``error`` (its first line) in ``records``, with the reason where :data:`EXPECTED_FAILURES` expects
+        it; prints it (the whole traceback, unless it is expected); then checks the CUDA context."""
+        text = f"{type(error).__name__}: {error}"
+        for record in records:
+            record.error = prefix + short_error(error)
+            known = expected_failure(record.workload, record.mode, record.variant, text)
+            record.expected_failure = known.reason if known else None
+        if records and all(r.expected_failure for r in records):
+            self.log(f"{where}: failed as expected ({records[0].expected_failure}): {short_error(error)}")
+        else:
+            self.log(f"{where}: failed:\n{full_error(error)}")
+        self._check_health(error, where)
+
+    def unexpected_failures(self) -> list[Record]:
+        """The records of this run that failed unexpectedly: an error that is neither a skip for time nor in
+        :data:`EXPECTED_FAILURES` (tasks skipped because the CUDA context failed count: they were not measured)."""
+        return [
+            r for r in self.records if r.error and not r.expected_failure and not r.error.startswith(SKIPPED_FOR_TIME)
+        ]
+
     def _check_health(self, error: BaseException, where: str) -> None:
         """After an error in ``where``: if the CUDA context no longer works, every later task is skipped (their
         results would be errors anyway), and the run still writes what it has."""
-        self.log(f"{where}: {short_error(error)}")
         if self.device.type != "cuda":
             return
         try:
@@ -605,13 +676,15 @@ class Suite:
 
     def _run_micro(self) -> None:
         if self.broken or not self.budget.fits(MICRO_COST_S):
-            reason = f"skipped: the CUDA context failed earlier ({self.broken})" if self.broken else "skipped: budget"
+            reason = f"skipped: the CUDA context failed earlier ({self.broken})" if self.broken else SKIPPED_FOR_TIME
             self.records.append(Record(MICRO_WORKLOAD, "inference", "thunder call k=1", error=reason))
             for _ in range(MICRO_MEASUREMENTS):
                 self.progress("micro skipped")
             return
         start = time.monotonic()
-        records, breakdown = run_micro(self.graph_executor, self.device, self.options, self._sync, self.progress)
+        records, breakdown = run_micro(
+            self.graph_executor, self.device, self.options, self._sync, self.progress, self.log
+        )
         self.records += records
         self.host_breakdown = breakdown
         took = time.monotonic() - start

@@ -4,6 +4,8 @@ run on the CPU with the emulated replay backend (the GPU-only pieces are exercis
 
 from __future__ import annotations
 
+import configparser
+import dataclasses
 import json
 import os
 import re
@@ -44,6 +46,7 @@ def test_main_without_gpu_prints_the_capture_plan():
     # inference and a training step: the computation trace, then the forward and backward regions
     assert "(computation, cudagraphex_plan)" in out and "(forward+backward, cudagraphex_plan)" in out
     assert re.search(r"CUDAGraph\d+ \[backward, cpu\]: \d+ ops, 1 graph\(s\)", out)
+    assert out.strip().splitlines()[-1] == "No capture plan failed (1 workload(s))."
 
 
 @pytest.mark.parametrize(
@@ -285,3 +288,157 @@ def test_the_commit_measured_comes_from_the_environment_first(monkeypatch):
     assert _commit() == "0123abc"  # a copied tree's .git may be stale
     monkeypatch.delenv("CUDAGRAPHEX_COMMIT")
     assert _commit() != "0123abc"
+
+
+# -- failures: whole tracebacks, the exit status, expected failures ----------------------------------------------------
+
+
+def _raise_deep(message: str) -> None:
+    raise RuntimeError(message)
+
+
+def _failing_build(device, plan):
+    # One call deeper, so that the whole traceback shows a frame that the recorded first line does not.
+    _raise_deep("the workload cannot be built\nsecond line of the message")
+
+
+def _gpu_args(tmp_path, workload: str, modes: str, variants: str):
+    return parse_args(
+        ["--workloads", workload, "--modes", modes, "--variants", variants]
+        + ["--quick", "--reps", "2", "--out", str(tmp_path)]
+    )
+
+
+@pytest.mark.parametrize("failing", ["workload", "variant"])
+def test_a_failure_prints_its_whole_traceback_and_fails_the_job(tmp_path, capsys, monkeypatch, failing):
+    """The GPU path on the CPU: a workload whose build raises, or a variant whose factory raises."""
+    from benchmarks import suite
+    from benchmarks.__main__ import _run_gpu
+    from benchmarks.workloads import WORKLOADS
+
+    if failing == "workload":
+        monkeypatch.setitem(
+            WORKLOADS, "mlp16x256-b8", dataclasses.replace(WORKLOADS["mlp16x256-b8"], build=_failing_build)
+        )
+        failed_variants = {"eager", "thunder"}
+    else:
+        original = suite.make_variant
+
+        def make_variant(name, fresh_model, graph_executor):
+            if name == "thunder":
+                _raise_deep("the variant cannot be made\nsecond line of the message")
+            return original(name, fresh_model, graph_executor)
+
+        monkeypatch.setattr(suite, "make_variant", make_variant)
+        failed_variants = {"thunder"}
+
+    assert _run_gpu(_gpu_args(tmp_path, "mlp16x256-b8", "inference", "eager,thunder"), device=torch.device("cpu")) == 1
+    captured = capsys.readouterr()
+    assert "Traceback (most recent call last)" in captured.err
+    assert "in _raise_deep" in captured.err and "second line of the message" in captured.err
+    last = captured.out.strip().splitlines()[-1]
+    assert last.startswith(f"FAILED: {len(failed_variants)} task(s) failed unexpectedly: ")
+    for variant in ("eager", "thunder"):
+        assert (f"mlp16x256-b8 / {variant} (inference)" in last) == (variant in failed_variants)
+    records = {r["variant"]: r for r in json.loads(next(tmp_path.glob("*.json")).read_text())["records"]}
+    for variant, record in records.items():
+        if variant in failed_variants:
+            assert "RuntimeError: the workload cannot be built" in record["error"] or (
+                record["error"] == "RuntimeError: the variant cannot be made"
+            )
+            assert record["expected_failure"] is None
+        else:
+            assert record["error"] is None and record["median_us"] > 0
+
+
+class _SecondCaseFails:
+    """A compiled variant whose second case (the one interleaved timing makes) fails as Thunder's transform does."""
+
+    def __init__(self, compiled) -> None:
+        self.compiled, self.cases = compiled, 0
+
+    def case(self, mode, args, grad_out):
+        self.cases += 1
+        if self.cases > 1:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                "[torch.cuda.FloatTensor [1, 32, 256]] is at version 21; expected version 20 instead."
+            )
+        return self.compiled.case(mode, args, grad_out)
+
+
+def test_an_expected_failure_is_recorded_with_its_reason_and_the_job_succeeds(tmp_path, capsys, monkeypatch):
+    from benchmarks import suite
+    from benchmarks.__main__ import _run_gpu
+
+    original = suite.make_variant
+
+    def make_variant(name, fresh_model, graph_executor):
+        if name == "thunder+CUDAGraphTransform":  # the real one needs CUDA: eager, failing where the transform does
+            return _SecondCaseFails(original("eager", fresh_model, graph_executor))
+        return original(name, fresh_model, graph_executor)
+
+    monkeypatch.setattr(suite, "make_variant", make_variant)
+    args = _gpu_args(tmp_path, "nanogpt6-d256-t32-b1", "train_bwd", "eager,thunder+CUDAGraphTransform")
+    assert _run_gpu(args, device=torch.device("cpu")) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip().splitlines()[-1] == "No task failed unexpectedly (1 failed as expected)."
+    assert "failed as expected" in captured.err and "Traceback" not in captured.err
+    records = {r["variant"]: r for r in json.loads(next(tmp_path.glob("*.json")).read_text())["records"]}
+    failed = records["thunder+CUDAGraphTransform"]
+    assert failed["error"].startswith("timing: RuntimeError: one of the variables needed for gradient computation")
+    assert failed["expected_failure"] == suite.EXPECTED_FAILURES[0].reason
+    assert records["eager"]["error"] is None
+    assert "expected (Thunder 0.2.6's CUDAGraphTransform" in next(tmp_path.glob("*.md")).read_text()
+
+
+def test_expected_failures_match_their_task_and_error_exactly():
+    from benchmarks.suite import EXPECTED_FAILURES, expected_failure
+    from benchmarks.variants import VARIANTS
+    from benchmarks.workloads import WORKLOADS
+
+    for known in EXPECTED_FAILURES:
+        assert known.workload in WORKLOADS and known.variant in VARIANTS
+        assert known.mode in WORKLOADS[known.workload].modes and known.reason and "\n" not in known.reason
+        text = f"RuntimeError: ... {known.error} ..."
+        assert expected_failure(known.workload, known.mode, known.variant, text) is known
+        assert expected_failure(known.workload, known.mode, known.variant, "RuntimeError: something else") is None
+        assert expected_failure("mlp16x256-b8", known.mode, known.variant, text) is None
+        assert expected_failure(known.workload, "inference", known.variant, text) is None
+        assert expected_failure(known.workload, known.mode, "thunder", text) is None
+
+
+def test_a_failing_capture_plan_prints_its_whole_traceback_and_fails_the_job(capsys, monkeypatch):
+    from benchmarks.__main__ import main
+    from benchmarks.workloads import WORKLOADS
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path even on a machine with a GPU
+    monkeypatch.setitem(WORKLOADS, "mlp16x256-b8", dataclasses.replace(WORKLOADS["mlp16x256-b8"], build=_failing_build))
+    assert main(["--workloads", "mlp16x256-b8"]) == 1
+    out = capsys.readouterr().out
+    assert "Traceback (most recent call last)" in out
+    assert "in _raise_deep" in out and "second line of the message" in out
+    assert out.strip().splitlines()[-1] == "FAILED: the capture plan of 1 workload(s) failed: mlp16x256-b8"
+
+
+def test_help_lists_the_workloads_modes_and_variants(capsys):
+    from benchmarks.suite import EXPECTED_FAILURES
+    from benchmarks.workloads import MODES, WORKLOADS
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    names = set(re.split(r"[\s,]+", text))
+    for name in (*WORKLOADS, *MODES, *VARIANTS):
+        assert name in names, name
+    for known in EXPECTED_FAILURES:
+        assert known.variant in names and known.workload in names
+    assert "exit status" in text
+
+
+def test_the_bench_extra_pins_the_tested_transformers():
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    bench = [line.strip() for line in config["options.extras_require"]["bench"].splitlines() if line.strip()]
+    assert "transformers==5.24.0" in bench
