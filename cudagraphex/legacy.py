@@ -4,29 +4,37 @@
   post-optimization transform that runs a :class:`~cudagraphex.CUDAGraphExecutor`'s ``fusion_pass`` on the forward
   trace, and on the backward trace with the legacy ``num_static_inputs``.
 - :func:`jit` and :func:`install_use_cudagraphs_shim` accept the ``use_cudagraphs=`` keyword that Thunder 0.2.6 rejects.
-- Importing cudagraphex registers the ``"cudagraphex"`` plugin, for ``thunder.compile(model, plugins="cudagraphex")``.
+- Importing cudagraphex registers the ``"cudagraphex"`` plugin, for ``thunder.compile(model, plugins="cudagraphex")``,
+  and makes Thunder's default recipe fall back from nvFuser, where it is not installed, when that plugin is used.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import thunder
 import thunder.plugins
 from thunder.core.proxies import TensorProxy
-from thunder.core.recipe import Plugin, PluginPolicy
+from thunder.core.recipe import Plugin, PluginPolicy, Recipe
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.core.transform_common import Transform
+from thunder.extend import Executor, get_executor
+from thunder.recipes import BaseRecipe
 from typing_extensions import Self
 
 from cudagraphex.executor import CUDAGraphExecutor, cudagraphex
+from cudagraphex.runtime import FunctionGraphs
 
 __all__ = ["CUDAGraphTransform", "CUDAGraphsPlugin", "install_use_cudagraphs_shim", "jit"]
+
+logger = logging.getLogger("cudagraphex")
 
 _adapter_ids = itertools.count()
 
@@ -37,12 +45,76 @@ class _TransformExecutor(CUDAGraphExecutor):
     def __init__(self, transform: CUDAGraphTransform, **options: Any) -> None:
         super().__init__(f"cudagraphex_transform_{next(_adapter_ids)}", **options)
         self._transform = transform
+        self._numbers = itertools.count()
+        #: (number, weak reference) of the graphs of each function this executor compiled, in compile order.
+        self._compiled: list[tuple[int, weakref.ref[FunctionGraphs]]] = []
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         return self._transform.can_fuse(bsym)
 
     def _can_fuse_owner(self) -> str:
         return type(self._transform).__name__
+
+    def _function_graphs(self) -> FunctionGraphs:
+        graphs = super()._function_graphs()
+        if not any(ref() is graphs for _, ref in self._compiled):
+            self._compiled = [(n, ref) for n, ref in self._compiled if ref() is not None]
+            self._compiled.append((next(self._numbers), weakref.ref(graphs)))
+        return graphs
+
+    def compiled_graphs(self) -> list[tuple[int, FunctionGraphs]]:
+        """The graphs of the functions compiled with this executor that are still alive, numbered in compile order."""
+        alive = [(n, ref()) for n, ref in self._compiled]
+        return [(n, graphs) for n, graphs in alive if graphs is not None]
+
+
+class _GraphCache(Mapping):
+    """A live, read-only view of the graphs a transform captured, in the shape of Thunder's ``cuda_graph_cache``."""
+
+    __slots__ = ("_executor",)
+
+    def __init__(self, executor: _TransformExecutor) -> None:
+        self._executor = executor
+
+    def _entries(self) -> dict[tuple[int, str, int], Any]:
+        return {
+            (number, region.name, i): instance.graph
+            for number, graphs in self._executor.compiled_graphs()
+            for region in graphs.regions()
+            for i, instance in enumerate(region.instances)
+        }
+
+    def __getitem__(self, key: tuple[int, str, int]) -> Any:
+        return self._entries()[key]
+
+    def __iter__(self) -> Iterator[tuple[int, str, int]]:
+        return iter(list(self._entries()))
+
+    def __len__(self) -> int:
+        return len(self._entries())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self)})"
+
+
+class _GraphRunner:
+    """What Thunder's tests read of ``CUDAGraphTransform.cuda_graph_runner``: its ``cuda_graph_cache``."""
+
+    __slots__ = ("_cache",)
+
+    def __init__(self, executor: _TransformExecutor) -> None:
+        self._cache = _GraphCache(executor)
+
+    @property
+    def cuda_graph_cache(self) -> Mapping[tuple[int, str, int], Any]:
+        """One entry per captured graph of the functions compiled with the transform that are still alive.
+
+        Keys are ``(function, region, graph)``: the function's number in the order the transform compiled it, the
+        region's fusion name (``CUDAGraphN``) and the graph's number within the region; values are the captured graphs
+        (``torch.cuda.CUDAGraph``, or the emulate backend's stand-in). The mapping is read-only and live: it follows
+        later captures, and the graphs of a function that was freed leave it.
+        """
+        return self._cache
 
 
 class CUDAGraphTransform(Transform):
@@ -57,11 +129,20 @@ class CUDAGraphTransform(Transform):
         share_mem_pool: whether the graphs of one compiled function share one memory pool per device. Unlike
             Thunder's transform this is safe and the default: the runtime checks liveness before every replay.
         **options: further :class:`~cudagraphex.CUDAGraphExecutor` options (``min_region_size``, ``strict``, ...).
+
+    ``cuda_graph_runner.cuda_graph_cache``, as on Thunder's transform, maps each graph captured so far to an entry (see
+    :attr:`cuda_graph_runner`); the transform holds the functions it compiled and their graphs by weak reference only.
     """
 
     def __init__(self, *, share_mem_pool: bool = True, **options: Any) -> None:
         super().__init__()
         self.executor = _TransformExecutor(self, share_pool=share_mem_pool, **options)
+        self._runner = _GraphRunner(self.executor)
+
+    @property
+    def cuda_graph_runner(self) -> _GraphRunner:
+        """Read-only stand-in for Thunder's ``CUDAGraphRunner``: only its ``cuda_graph_cache`` is provided."""
+        return self._runner
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         """Whether ``bsym`` may be captured; override to keep symbols out (call ``super().can_fuse``)."""
@@ -138,6 +219,11 @@ def install_use_cudagraphs_shim() -> _Shim:
 class CUDAGraphsPlugin(Plugin):
     """``thunder.compile(model, plugins="cudagraphex")``: adds cudagraphex after the recipe's executors.
 
+    Without a recipe argument ``thunder.compile`` uses Thunder's default recipe, which asks for nvFuser. Where nvFuser
+    is not installed and this plugin is among the recipe's plugins, that recipe uses Thunder's torch.compile fuser
+    instead, or no fuser where that one is missing too, and says so once, at INFO level, on the ``cudagraphex`` logger.
+    A recipe passed explicitly is used as given.
+
     Args:
         executor: the executor to add (default: :data:`~cudagraphex.cudagraphex`).
     """
@@ -151,4 +237,47 @@ class CUDAGraphsPlugin(Plugin):
         return [self.executor]
 
 
+_announced_fuser_fallback = False
+
+
+def _announce_fuser_fallback(fuser: str | None) -> None:
+    global _announced_fuser_fallback
+    if _announced_fuser_fallback:
+        return
+    _announced_fuser_fallback = True
+    if fuser is None:
+        logger.info(
+            "cudagraphex: nvFuser and Thunder's torch.compile fuser are not available; thunder.compile's default"
+            " recipe runs the cudagraphex plugin without a fuser"
+        )
+    else:
+        logger.info(
+            "cudagraphex: nvFuser is not installed; thunder.compile's default recipe runs the cudagraphex plugin with"
+            " Thunder's torch.compile fuser (%s) instead",
+            fuser,
+        )
+
+
+class _DefaultRecipe(BaseRecipe):
+    """Thunder's default recipe, except that with the cudagraphex plugin and no nvFuser it falls back to Thunder's
+    torch.compile fuser (executor ``torchcompile``) or, where that is missing too, to no fuser."""
+
+    def setup_executors(self) -> list[Executor]:
+        if (
+            "nvfuser" in self.executor_names
+            and get_executor("nvfuser") is None
+            and any(isinstance(p, CUDAGraphsPlugin) for p in self.plugins)
+        ):
+            fallback = "torchcompile" if get_executor("torchcompile") is not None else None
+            names = [fallback if n == "nvfuser" else n for n in self.executor_names]
+            self.executor_names = [n for i, n in enumerate(names) if n is not None and n not in names[:i]]
+            self.fuser = "torch.compile" if fallback else None
+            _announce_fuser_fallback(fallback)
+        return super().setup_executors()
+
+
 thunder.plugins.register_plugin("cudagraphex", CUDAGraphsPlugin)
+# thunder.compile without a recipe builds the recipe registered under "" (BaseRecipe); one registered by someone else
+# is left alone.
+if Recipe._registry.get("") is BaseRecipe:
+    Recipe.register("")(_DefaultRecipe)

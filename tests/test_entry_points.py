@@ -3,18 +3,23 @@ plugin, ThunderFX) and the diagnostics (explain, logs)."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import warnings
+import weakref
 
 import pytest
 import thunder
 import torch
 from thunder.core.trace import TraceTag
+from thunder.extend import get_executor
 
 import cudagraphex
+import cudagraphex.legacy
 from benchmarks.models import GPT, GPTConfig, mlp
 from cudagraphex import CUDAGraphExecutor, CUDAGraphTransform, explain
+from cudagraphex.legacy import CUDAGraphsPlugin
 from cudagraphex.runtime import FunctionGraphs
 from cudagraphex.static_inputs import InputKind
 from tests.helpers import BACKENDS, assert_grads_close, emulated, jit, twin
@@ -152,6 +157,7 @@ def test_thunder_nanogpt_inference_one_graph_reused(backend):
         torch.testing.assert_close(jm(idx), model(idx))
     (region,) = transform_graphs(jm, transform).regions()
     assert len(region.instances) == 1
+    assert len(transform.cuda_graph_runner.cuda_graph_cache) == 1
     assert len(cuda_graph_symbols(thunder.last_traces(jm)[-1])) == 1
 
 
@@ -178,8 +184,56 @@ def test_thunder_nanogpt_training_one_forward_one_backward_graph(backend):
     regions = transform_graphs(jm, transform).regions()
     assert [r.info.phase for r in regions] == ["forward", "backward"]
     assert all(len(r.instances) == 1 for r in regions)
+    assert len(transform.cuda_graph_runner.cuda_graph_cache) == 2
     assert len(cuda_graph_symbols(thunder.last_traces(jm)[-1])) == 1
     assert len(cuda_graph_symbols(thunder.last_backward_traces(jm)[-1])) == 1
+
+
+def test_transform_cuda_graph_cache_has_one_entry_per_graph_and_is_read_only():
+    transform = CUDAGraphTransform(backend="emulate")
+    cache = transform.cuda_graph_runner.cuda_graph_cache
+    model = mlp(2, 16)
+    jm = thunder.jit(model, transforms=[transform])
+
+    def run(jm, shape):
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(shape)
+                torch.testing.assert_close(jm(x), model(x))
+
+    def captured(jm):
+        return {
+            (0, r.name, i): inst.graph
+            for r in transform_graphs(jm, transform).regions()
+            for i, inst in enumerate(r.instances)
+        }
+
+    assert len(cache) == 0
+    run(jm, (4, 16))
+    assert len(cache) == 1 and dict(cache) == captured(jm)
+    for mutate in (
+        lambda: cache.__setitem__((9, "CUDAGraph9", 0), None),
+        lambda: cache.__delitem__(next(iter(cache))),
+        lambda: cache.clear(),
+        lambda: cache.pop(next(iter(cache))),
+        lambda: setattr(transform.cuda_graph_runner, "cuda_graph_cache", {}),
+        lambda: setattr(transform, "cuda_graph_runner", None),
+    ):
+        with pytest.raises((TypeError, AttributeError)):
+            mutate()
+    assert len(cache) == 1
+
+    run(jm, (6, 16))  # a new input shape: Thunder traces again, and a second graph is captured
+    graphs = captured(jm)
+    assert len(graphs) == 2 and len({key[1] for key in graphs}) == 2
+    assert len(cache) == 2 and dict(cache) == graphs and set(cache) == set(transform.cuda_graph_runner.cuda_graph_cache)
+    del graphs
+
+    # The transform holds its compiled functions' graphs weakly: they die with the function and leave the cache.
+    alive = weakref.ref(transform_graphs(jm, transform))
+    del jm
+    gc.collect()
+    assert alive() is None and len(cache) == 0 and list(cache) == []
 
 
 def test_thunder_warmup_multinomial(backend):
@@ -270,6 +324,108 @@ def test_plugin_is_registered_and_adds_the_executor(backend):
             x = torch.randn(4, 16, device=backend.device)
             torch.testing.assert_close(jm(x), model(x))
             torch.testing.assert_close(by_name(x), model(x))
+    assert explain(jm).num_graphs == 1
+
+
+def fuser_fallback_notes(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "cudagraphex" and "nvFuser" in r.getMessage()]
+
+
+def test_plugin_without_a_recipe_and_without_nvfuser(caplog, monkeypatch):
+    """``thunder.compile(model, plugins="cudagraphex")`` as written: Thunder's default recipe would ask for nvFuser."""
+    if get_executor("nvfuser") is not None:
+        pytest.skip("nvFuser is installed: the default recipe uses it")
+    monkeypatch.setattr(cudagraphex.legacy, "_announced_fuser_fallback", False)
+    model = mlp(3, 16)
+    with caplog.at_level(logging.INFO, logger="cudagraphex"):
+        jm = thunder.compile(model, plugins="cudagraphex")
+        again = thunder.compile(model, plugins="cudagraphex")
+    executors = list(thunder.compile_data(jm).executors_list)
+    assert None not in executors and cudagraphex.cudagraphex in executors
+    assert get_executor("torchcompile") in executors
+    (note,) = fuser_fallback_notes(caplog)
+    assert "torch.compile fuser" in note
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(jm(x), model(x))
+            torch.testing.assert_close(again(x), model(x))
+
+
+def test_plugin_without_a_recipe_captures_and_replays():
+    model = mlp(3, 16)
+    jm = thunder.compile(model, plugins=CUDAGraphsPlugin(emulated))
+    assert None not in thunder.compile_data(jm).executors_list
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(jm(x), model(x))
+    report = explain(jm)
+    assert report.num_graphs == 1
+    (region,) = report.regions
+    assert region.replays == 3  # a warm-up call, then every call replays the graph (the capturing one too)
+
+
+def test_plugin_without_a_recipe_and_without_any_fuser(caplog, monkeypatch):
+    monkeypatch.setattr(cudagraphex.legacy, "_announced_fuser_fallback", False)
+    missing = {"nvfuser", "torchcompile"}
+    monkeypatch.setattr(cudagraphex.legacy, "get_executor", lambda n: None if n in missing else get_executor(n))
+    model = mlp(3, 16)
+    with caplog.at_level(logging.INFO, logger="cudagraphex"):
+        jm = thunder.compile(model, plugins=CUDAGraphsPlugin(emulated))
+    executors = list(thunder.compile_data(jm).executors_list)
+    assert None not in executors and emulated in executors
+    assert get_executor("torchcompile") not in executors
+    (note,) = fuser_fallback_notes(caplog)
+    assert "without a fuser" in note
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(jm(x), model(x))
+    assert explain(jm).num_graphs == 1
+
+
+def test_default_recipe_keeps_nvfuser_where_installed_and_without_the_plugin(caplog, capsys, monkeypatch):
+    import thunder.recipes.base
+    from thunder.core.recipe import Recipe
+
+    monkeypatch.setattr(cudagraphex.legacy, "_announced_fuser_fallback", False)
+    model = mlp(1, 4)
+    assert type(Recipe.get_for_model(model)) is cudagraphex.legacy._DefaultRecipe
+
+    without_plugin = Recipe.get_for_model(model)  # nvFuser is asked for, as by Thunder's own default recipe
+    with caplog.at_level(logging.INFO, logger="cudagraphex"):
+        executors = without_plugin.setup_executors()
+    assert without_plugin.executor_names == ["nvfuser"] and executors == [get_executor("nvfuser")]
+    capsys.readouterr()  # Thunder's installation hint where nvFuser is missing
+
+    nvfuser = object()
+
+    def installed(name):
+        return nvfuser if name == "nvfuser" else get_executor(name)
+
+    monkeypatch.setattr(cudagraphex.legacy, "get_executor", installed)
+    monkeypatch.setattr(thunder.recipes.base, "get_executor", installed)
+    with_plugin = Recipe.get_for_model(model)
+    with_plugin.add_plugins([CUDAGraphsPlugin()])
+    with caplog.at_level(logging.INFO, logger="cudagraphex"):
+        assert with_plugin.setup_executors() == [nvfuser]
+    assert with_plugin.fuser == "nvfuser"
+    assert fuser_fallback_notes(caplog) == []
+
+
+@pytest.mark.cuda
+def test_plugin_without_a_recipe_on_the_gpu():
+    """``thunder.compile(model, plugins="cudagraphex")`` as written: nvFuser where installed, else torch.compile's."""
+    model = mlp(3, 64).cuda()
+    jm = thunder.compile(model, plugins="cudagraphex")
+    fuser = get_executor("nvfuser") or get_executor("torchcompile")
+    executors = list(thunder.compile_data(jm).executors_list)
+    assert None not in executors and cudagraphex.cudagraphex in executors and fuser in executors
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(8, 64, device="cuda")
+            torch.testing.assert_close(jm(x), model(x))
     assert explain(jm).num_graphs == 1
 
 
