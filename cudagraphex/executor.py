@@ -39,9 +39,11 @@ from cudagraphex.capture import backend_for
 from cudagraphex.regions import (
     RegionSpec,
     count_ops,
+    input_aliases,
     plan_regions,
     refused_rematerialization,
-    written_inputs,
+    rng_state_inputs,
+    static_outputs,
 )
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion, GraphOptions, RegionInfo
 from cudagraphex.safety import unsafe_reason
@@ -70,6 +72,8 @@ class _Fusion:
     earlier: tuple[str, ...] = ()
     #: When it was last built or handed back; an earlier fusion not handed back since is no longer in the trace.
     tick: int = dataclasses.field(default_factory=lambda: next(_ticks))
+    #: The outputs a later graph may read where they are (see :func:`~cudagraphex.regions.static_outputs`).
+    static_outputs: frozenset[str] = frozenset()
 
 
 class CUDAGraphExecutor(FusionExecutor):
@@ -196,7 +200,7 @@ class CUDAGraphExecutor(FusionExecutor):
                 )
                 name = f"{_FUSION_PREFIX}{graphs.next_fusion_id()}"
                 bsyms.append(self._build(name, fusion, graphs))
-                graph_outputs.update(p.name for p in item.outputs)
+                graph_outputs.update(graphs.fusions[name].static_outputs)
                 earlier.append(name)
             else:
                 bsyms.append(item)
@@ -222,14 +226,14 @@ class CUDAGraphExecutor(FusionExecutor):
         spec = fusion.spec
         # Thunder hands back every fusion of a trace in order; one that was not handed back before this one was
         # removed from the trace (rematerialization can leave a producer with nothing left to return).
-        earlier = [graphs.fusions[n].spec for n in fusion.earlier if graphs.fusions[n].tick > fusion.tick]
+        earlier = [graphs.fusions[n] for n in fusion.earlier if graphs.fusions[n].tick > fusion.tick]
         handed_back = [unvariableify(x) for x in region.outputs]
         members, inputs, outputs = refused_rematerialization(
             spec,
             list(region.bound_symbols),
             [unvariableify(x) for x in region.inputs],
             handed_back,
-            earlier,
+            [producer.spec for producer in earlier],
             _fused_by(fusion.inner),
         )
         input_names = {p.name for p in inputs}
@@ -245,7 +249,7 @@ class CUDAGraphExecutor(FusionExecutor):
         if unchanged:
             graphs.fusions[name] = dataclasses.replace(fusion, tick=next(_ticks))
             return fusion.bsym
-        written = written_inputs(members, input_names)
+        written, aliases = input_aliases(members, input_names)
         mutated = frozenset().union(*written.values())
         new_spec = dataclasses.replace(
             spec,
@@ -257,9 +261,11 @@ class CUDAGraphExecutor(FusionExecutor):
             mutated_trace_inputs=spec.mutated_trace_inputs & mutated,
             caller_inputs=spec.caller_inputs & input_names,
             written=written,
+            aliases={name: aliases[name] for name in output_names if aliases.get(name)},
+            rng_state_inputs=rng_state_inputs(members, input_names),
         )
         # Rematerialization that is kept changes which forward outputs the backward reads: they stay static.
-        graph_outputs = fusion.graph_outputs | {p.name for producer in earlier for p in producer.outputs}
+        graph_outputs = fusion.graph_outputs.union(*(producer.static_outputs for producer in earlier))
         rebuilt = dataclasses.replace(fusion, spec=new_spec, graph_outputs=graph_outputs, tick=next(_ticks))
         return self._build(name, rebuilt, graphs)
 
@@ -284,7 +290,14 @@ class CUDAGraphExecutor(FusionExecutor):
             returned=spec.returned,
             mutated=spec.mutated,
         )
-        region = GraphedRegion(fn, info, kinds, graphs, [in_place and p.name in spec.mutated for p in spec.inputs])
+        region = GraphedRegion(
+            fn,
+            info,
+            kinds,
+            graphs,
+            [in_place and p.name in spec.mutated for p in spec.inputs],
+            [p.name in spec.rng_state_inputs for p in spec.inputs],
+        )
         sym = Symbol(name, meta=None, is_fusion=True, executor=self)
         bsym = BoundSymbol(
             sym,
@@ -299,7 +312,10 @@ class CUDAGraphExecutor(FusionExecutor):
             fusion.regions[:] = [region if r.name == name else r for r in fusion.regions]
         else:
             fusion.regions.append(region)
-        graphs.fusions[name] = dataclasses.replace(fusion, bsym=bsym)
+        static = {p.name for p, kind in zip(spec.inputs, kinds, strict=True) if kind.is_static}
+        graphs.fusions[name] = dataclasses.replace(
+            fusion, bsym=bsym, static_outputs=static_outputs(spec, static.__contains__)
+        )
         return bsym
 
     # -- context ------------------------------------------------------------------------------------------------------

@@ -26,21 +26,24 @@ from dataclasses import dataclass, field
 
 import thunder.torch as ltorch
 from thunder.core import prims
-from thunder.core.proxies import Proxy, ProxyTag, TensorProxy
+from thunder.core.proxies import Proxy, TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.executors.torchex import ex as torch_executor
 
-from cudagraphex.safety import TRANSPARENT, is_inplace_write
+from cudagraphex.safety import TRANSPARENT, is_inplace_write, rng_state_args
+from cudagraphex.static_inputs import classify_inputs
 
 __all__ = [
     "Break",
     "Plan",
     "RegionSpec",
+    "input_aliases",
     "plan_regions",
     "refused_rematerialization",
+    "rng_state_inputs",
     "source_line",
-    "written_inputs",
+    "static_outputs",
 ]
 
 _UNPACKS = frozenset(p for p in prims.PrimIDs if p.name.startswith("UNPACK_"))
@@ -110,6 +113,10 @@ class RegionSpec:
     caller_inputs: frozenset[str] = frozenset()
     #: For each member that writes in place (by ``id``), the inputs its write may reach.
     written: dict[int, frozenset[str]] = field(default_factory=dict, repr=False)
+    #: For each output that may share memory with inputs (a view of one), those inputs.
+    aliases: dict[str, frozenset[str]] = field(default_factory=dict, repr=False)
+    #: Inputs that members read as dropout RNG state (see :data:`~cudagraphex.safety.RNG_STATE_PARAMETERS`).
+    rng_state_inputs: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -201,23 +208,50 @@ def count_ops(bsyms: Iterable[BoundSymbol]) -> int:
     return sum((len(b.subsymbols) or 1) if b.sym.is_fusion else 1 for b in bsyms)
 
 
-def written_inputs(members: list[BoundSymbol], inputs: Collection[str]) -> dict[int, frozenset[str]]:
-    """For each member (by id) that writes in place, the region inputs whose memory the write may reach."""
-    aliases: dict[str, set[str]] = {}  # proxy -> region inputs whose memory it may share
+def input_aliases(
+    members: list[BoundSymbol], inputs: Collection[str]
+) -> tuple[dict[int, frozenset[str]], dict[str, frozenset[str]]]:
+    """Which region inputs the members may reach through views: for each member (by id) that writes in place, the
+    inputs whose memory the write may reach; for each tensor a member produces, the inputs whose memory it may share
+    (none for memory the region allocates)."""
+    aliases: dict[str, frozenset[str]] = {}
 
-    def roots(name: str) -> set[str]:
-        return {name} if name in inputs else aliases.get(name, set())
+    def roots(name: str) -> frozenset[str]:
+        if name in aliases:
+            return aliases[name]
+        return frozenset({name}) if name in inputs else frozenset()
 
     written = {}
     for b in members:
-        if _may_alias_input(b):
-            shared = set().union(*(roots(p.name) for p in b.flat_proxy_args))
+        if _may_alias_input(b) or _writes(b):
+            shared = frozenset().union(*(roots(p.name) for p in b.flat_proxy_args))
             for p in b.flat_proxy_outs:
                 aliases[p.name] = shared
-        reached = set().union(*(roots(w.args[1].name) for w in _writes(b)))
+        reached = frozenset().union(*(roots(w.args[1].name) for w in _writes(b)))
         if reached:
-            written[id(b)] = frozenset(reached)
-    return written
+            written[id(b)] = reached
+    return written, aliases
+
+
+def rng_state_inputs(members: Iterable[BoundSymbol], inputs: Collection[str]) -> frozenset[str]:
+    """The ``inputs`` that ``members`` read as dropout RNG state."""
+    return frozenset(p.name for b in members for p in rng_state_args(b) if p.name in inputs)
+
+
+def static_outputs(spec: RegionSpec, is_static: Callable[[str], bool]) -> frozenset[str]:
+    """The outputs of ``spec`` that a later graph may read where they are: the region's own memory, and views of its
+    inputs that are static by ``is_static`` (a view of a parameter). A view of a copied input is the caller's tensor,
+    wherever the caller put it."""
+    return frozenset(
+        p.name for p in spec.outputs if all(is_static(name) for name in spec.aliases.get(p.name, frozenset()))
+    )
+
+
+class _Everything:
+    """A collection that holds every name: alias roots over a whole trace reach back to any tensor."""
+
+    def __contains__(self, name: object) -> bool:
+        return True
 
 
 class _Planner:
@@ -246,6 +280,7 @@ class _Planner:
                 for p in b.flat_proxy_args:
                     self.consumers[p.name].append(i)
         self.trace_outputs = {p.name for p in _flat_proxies(trace.output)}
+        _, self.aliases = input_aliases(self.bsyms, _Everything())
 
     def plan(self) -> Plan:
         extra: dict[int, str] = {}
@@ -341,7 +376,7 @@ class _Planner:
             for name, p in produced.items()
             if name in self.trace_outputs or any(c > last for c in self.consumers.get(name, ()))
         ]
-        written = written_inputs([b for _, b in ops], inputs)
+        written, aliases = input_aliases([b for _, b in ops], inputs)
         mutated = set().union(*written.values())
         return RegionSpec(
             bound_symbols=[b for _, b in ops],
@@ -353,14 +388,18 @@ class _Planner:
             mutated_trace_inputs=frozenset(n for n in mutated if self._root_is_trace_input(n)),
             caller_inputs=frozenset(n for n in inputs if self._from_caller(n)),
             written=written,
+            aliases={p.name: aliases[p.name] for p in outputs if aliases.get(p.name)},
+            rng_state_inputs=rng_state_inputs((b for _, b in ops), inputs),
         )
 
     def _from_caller(self, name: str) -> bool:
-        """Whether ``name`` is a tensor the caller passes in: an input of the trace, or a cotangent."""
-        producer = self.producer.get(name)
-        if producer is not None and producer[1].sym.id == prims.PrimIDs.GET_GRAD:
-            return True
-        return self._root_is_trace_input(name)
+        """Whether ``name`` is a tensor the caller passes in (an input of the trace, or a cotangent), or may be a view
+        of one."""
+        for root in self.aliases.get(name) or (name,):
+            producer = self.producer.get(root)
+            if producer is not None and producer[1].sym.id == prims.PrimIDs.GET_GRAD or self._root_is_trace_input(root):
+                return True
+        return False
 
     def _root_is_trace_input(self, name: str) -> bool:
         """Whether ``name`` is, possibly through update_aliases, an input of the trace."""
@@ -374,28 +413,29 @@ class _Planner:
             name = b.flat_proxy_args[position].name
         return True
 
-    def _keepable_static(self, spec: RegionSpec, name: str, graph_outputs: set[str]) -> bool:
-        proxy = next(p for p in spec.inputs if p.name == name)
-        return (
-            ProxyTag.STATIC_MEMORY_LOCATION in proxy.tags
-            or name in graph_outputs
-            or name in self.declared_static
-            or name in spec.mutated_trace_inputs
+    def _static_inputs(self, spec: RegionSpec, graph_outputs: Collection[str]) -> set[str]:
+        """The inputs of ``spec`` that its graph will read where they are (the runtime's rule)."""
+        kinds = classify_inputs(
+            spec.inputs,
+            graph_outputs=graph_outputs,
+            declared_static=self.declared_static,
+            mutated_trace_inputs=spec.mutated_trace_inputs,
         )
+        return {p.name for p, kind in zip(spec.inputs, kinds, strict=True) if kind.is_static}
 
     def _hazards(self, plan: Plan) -> dict[int, str]:
         hazards: dict[int, str] = {}
         graph_outputs = set(self.graph_outputs)
         for spec in plan.regions:
-            for name in sorted(spec.mutated):
-                if self._keepable_static(spec, name, graph_outputs):
-                    continue
+            static = self._static_inputs(spec, graph_outputs)
+            for name in sorted(spec.mutated - static):
                 why = f"writes in place into {name}, which is produced outside the graph on every call"
                 for b in spec.bound_symbols:
                     if name in spec.written.get(id(b), ()):
                         hazards[id(b)] = why
-            graph_outputs.update(p.name for p in spec.outputs)
+            graph_outputs |= static_outputs(spec, static.__contains__)
         hazards.update(self._split_hazards(plan))
+        hazards.update(_rng_state_hazards(plan))
         return hazards
 
     def _split_hazards(self, plan: Plan) -> dict[int, str]:
@@ -441,6 +481,20 @@ class _Planner:
                     if id(b) in forward_members:
                         hazards[id(b)] = "is a forward in-place update that must run in the forward pass"
         return hazards
+
+
+def _rng_state_hazards(plan: Plan) -> dict[int, str]:
+    """Graph members that return dropout RNG state which a symbol outside graphs reads: a graph returns that state in
+    device memory, where an eager reader would read it through a host pointer."""
+    producers = {p.name: b for spec in plan.regions for b in spec.bound_symbols for p in b.flat_proxy_outs}
+    hazards = {}
+    for item in plan.sequence:
+        if isinstance(item, RegionSpec):
+            continue
+        for p in rng_state_args(item):
+            if p.name in producers:
+                hazards[id(producers[p.name])] = f"returns dropout RNG state that {item.sym.name} reads outside graphs"
+    return hazards
 
 
 def plan_regions(
@@ -502,9 +556,10 @@ def refused_rematerialization(
     computing = [b for b in members if any(p.name in dropped for p in b.flat_proxy_outs)]
     if dropped and not all(map(fused, computing)):
         outputs = list(planned.outputs)
+    members = _restore_lost_members(planned.bound_symbols, members, {p.name for p in inputs})
     planned_members = {id(b) for b in planned.bound_symbols}
     if all(id(b) in planned_members for b in members):
-        return members, inputs, outputs
+        return members, _inputs_read(members, (*inputs, *planned.inputs)), outputs
 
     produced_earlier = {p.name for spec in earlier for b in spec.bound_symbols for p in b.flat_proxy_outs}
     available = {p.name for spec in earlier for p in spec.outputs}
@@ -519,13 +574,43 @@ def refused_rematerialization(
         needed |= {p.name for p in bsym.flat_proxy_args}
     kept.reverse()
     produced = {p.name for b in kept for p in b.flat_proxy_outs}
-    read: dict[str, TensorProxy] = {}
-    for p in (*inputs, *planned.inputs):
-        if p.name in needed and p.name not in produced:
-            read.setdefault(p.name, p)
     missing = sorted(needed - produced - available)
     if missing:
         raise RuntimeError(
             f"cudagraphex: after rematerialization a graph would read {missing}, which no earlier graph returns"
         )
-    return kept, list(read.values()), outputs
+    return kept, _inputs_read(kept, (*inputs, *planned.inputs)), outputs
+
+
+def _inputs_read(members: list[BoundSymbol], candidates: Iterable[TensorProxy]) -> list[TensorProxy]:
+    """The ``candidates`` that ``members`` read without producing them, once each, in ``candidates``' order."""
+    produced = {p.name for b in members for p in b.flat_proxy_outs}
+    read = {p.name for b in members for p in b.flat_proxy_args} - produced
+    inputs: dict[str, TensorProxy] = {}
+    for p in candidates:
+        if p.name in read:
+            inputs.setdefault(p.name, p)
+    return list(inputs.values())
+
+
+def _restore_lost_members(
+    planned: list[BoundSymbol], members: list[BoundSymbol], inputs: Collection[str]
+) -> list[BoundSymbol]:
+    """``members`` with the planned members put back that produce what the region reads but neither produces nor
+    receives. Thunder rebuilds a rematerialized consumer through a topological sort from its outputs that loses
+    symbols without tensor inputs (``zeros`` in a backward); the region would read an unbound name. Each one put back
+    goes right before the first member that reads what it produces."""
+    produced = {p.name for b in members for p in b.flat_proxy_outs}
+    missing = {p.name for b in members for p in b.flat_proxy_args} - produced - set(inputs)
+    present = {id(b) for b in members}
+    lost: list[BoundSymbol] = []
+    for bsym in reversed(planned):
+        if id(bsym) not in present and any(p.name in missing for p in bsym.flat_proxy_outs):
+            lost.append(bsym)
+            missing |= {p.name for p in bsym.flat_proxy_args} - produced - set(inputs)
+    restored = list(members)
+    for bsym in lost:  # latest planned first, so an earlier one lands before the ones that read it
+        outs = {p.name for p in bsym.flat_proxy_outs}
+        at = next((i for i, b in enumerate(restored) if any(p.name in outs for p in b.flat_proxy_args)), len(restored))
+        restored.insert(at, bsym)
+    return restored

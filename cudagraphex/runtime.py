@@ -5,15 +5,15 @@ Invariants
 
 What is static
     A graph reads and writes its *static* inputs at the addresses they had when it was captured: parameters and
-    buffers, tensors that another graph of the same compiled function produced (forward outputs saved for backward),
-    tensors declared static, and trace inputs the graph writes in place. Before every replay those addresses are
+    buffers, tensors that another graph of the same compiled function produced in its own memory or as a view of a
+    static input (forward outputs saved for backward), tensors declared static, and trace inputs the graph writes in
+    place (``regions.static_outputs`` and ``static_inputs.classify_inputs`` state the rule). Before every replay those addresses are
     compared with the current inputs in one C++ call, and a graph is never replayed against a moved static input: the
     runtime captures another instance for the new addresses, or demotes the input to a copied one (see ``_on_moved``).
     Graphs hold the addresses of static inputs, not the tensors, so replacing a parameter frees the old one.
     Every other tensor input is *copied*: one batched copy moves it into a buffer the graph owns, after one C++ check
     that each has the shape, strides, dtype and device it was captured with; if the graph writes that input in place,
-    the buffer is copied back after the replay. An input that is a view of its own buffer (an output of the graph
-    passed back in) never reaches a replay: it references a storage the replay writes (see below).
+    the buffer is copied back after the replay. Input buffers are never handed out (see "Who owns which memory").
     One exception spares the copy (a launch that costs more host time than the replay on a slow host): a tensor the
     caller passes in (an input of the trace, a cotangent) that is at the address it had at the warm-up when a graph is
     captured is *read in place* by that graph, like a static input: its address is compared, its layout is checked
@@ -21,6 +21,9 @@ What is static
     input, and the graph captured then copies it wherever it is (one more graph, the only one after a move).
     A tensor that the trace declares but that is None at run time (flash attention's ``cum_seq_q`` outside varlen)
     passes through as None: an input is part of the graph's signature, an output is handed out as None.
+    Dropout RNG state (``safety.RNG_STATE_PARAMETERS``) is where each run reads it: an eager run of a region gets it in
+    host memory (a graph's output is copied there, which waits for the graph), a graph in device memory (host memory
+    that an eager forward left is copied into a device buffer).
 
 Who owns which memory
     Graph memory (intermediates and outputs) lives in a pool. The graphs of one compiled function on one device share
@@ -35,10 +38,12 @@ Who owns which memory
     cheaper ``anchor.data``, whose version counter is its own (the anchor's, which nothing reads, does not follow it).
     An output the trace does not return (a tensor saved for backward, an intermediate that a later symbol reads) is
     handed out as the anchor itself, which Thunder's code only reads, passes on and saves; that spares an alias per
-    output and replay. An output that aliases a static input (a view of a parameter) is handed out as a view of that
-    input, in the output's dtype. How each output is handed out is decided once per instance
-    (``_Instance.plan_handout``). Input buffers are ordinary allocations owned by the graph. Everything is owned by the
-    compiled function, through its compile data, and is freed with it.
+    output and replay. An output that views an input is handed out as the same view of the caller's tensor, made as
+    eager makes it (its base, version counter and ``requires_grad`` follow the input), also where the graph read a
+    copy of the input; a capture whose input buffer cannot keep the caller's layout fails rather than hand out a
+    view of the buffer. How each output is handed out is decided once per instance (``_Instance.plan_handout``).
+    Input buffers are ordinary allocations owned by the graph. Everything is owned by the compiled function, through
+    its compile data, and is freed with it.
 
 When a graph may be replayed
     A replay writes every storage the graph allocated during capture, and may write storages that graphs captured
@@ -212,31 +217,35 @@ def _picker(indices: Sequence[int]) -> Callable[[Sequence[Any]], tuple]:
     return lambda args: ()
 
 
-def _input_buffer(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
-    """A buffer for copied input ``a``, the tensor the graph reads (same strides as ``a``), and ``a``'s expanded dims.
+def _input_buffer(a: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """A buffer on ``device`` for copied input ``a``, the tensor the graph reads (``a``'s strides where they allow a
+    buffer), and ``a``'s expanded dims.
 
     An expanded input (a broadcast cotangent, say) gets a buffer without the expanded dims, read through ``expand``.
     """
     expanded = expanded_dims(a)
-    if expanded:
-        small = torch.empty([1 if d in expanded else n for d, n in enumerate(a.shape)], dtype=a.dtype, device=a.device)
-        return small, small.expand(a.shape), expanded
-    buf = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+    shape = [1 if d in expanded else n for d, n in enumerate(a.shape)]
+    buf = torch.empty_strided(shape, a.stride(), dtype=a.dtype, device=device)
     if torch._debug_has_internal_overlap(buf) != 0:
-        buf = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-    return buf, buf, ()
+        buf = torch.empty(shape, dtype=a.dtype, device=device)
+    return buf, buf.expand(a.shape) if expanded else buf, expanded
 
 
 def _view_of(source: torch.Tensor, meta: tuple) -> torch.Tensor:
-    """A view of ``source``'s storage laid out as ``meta`` (dtype, size, stride, offset): it shares ``source``'s version
-    counter, as a view does in eager. Another dtype goes through a flat view of the whole storage, which raises (never
-    guesses) where that storage's size is not a multiple of the new item size."""
-    dtype, size, stride, offset = meta
-    base = source.detach()
-    if dtype != base.dtype:
-        whole = base.untyped_storage().nbytes() // base.element_size()
-        base = base.as_strided((whole,), (1,), 0).view(dtype)
-    return base.as_strided(size, stride, offset)
+    """A view of ``source`` laid out as ``meta`` (dtype, size, stride, byte offset from ``source``'s first element),
+    made as the view op makes it in eager, in the caller's grad mode: its base is ``source``'s, it shares ``source``'s
+    version counter, and it requires grad where ``source`` does. Another dtype goes through a flat view of the whole
+    storage, which raises (never guesses) where that storage's size or the offset is not a multiple of the new item
+    size."""
+    dtype, size, stride, byte_offset = meta
+    start = source.storage_offset() * source.element_size() + byte_offset
+    if dtype == source.dtype:
+        return source.as_strided(size, stride, start // source.element_size())
+    whole = source.untyped_storage().nbytes() // source.element_size()
+    flat = source.as_strided((whole,), (1,), 0).view(dtype)
+    if start % flat.element_size():
+        raise RuntimeError(f"cudagraphex: a {dtype} view at byte {start} of a {source.dtype} input is misaligned")
+    return flat.as_strided(size, stride, start // flat.element_size())
 
 
 def _sharing_one_version(storage: torch.UntypedStorage, members: list[tuple[int, torch.Tensor, tuple]]) -> list:
@@ -263,6 +272,11 @@ class _Instance:
     ) -> None:
         # A tensor input that is None at run time (flash attention's cum_seq_q outside varlen) is a host value here.
         kinds = [InputKind.HOST_VALUE if a is None else kind for kind, a in zip(region.kinds, args, strict=True)]
+        # Dropout RNG state that an eager run left in host memory is copied to the device, where a graph reads it.
+        for i in region.rng_state_idx:
+            if args[i] is not None and args[i].device != region.device:
+                kinds[i] = InputKind.COPIED
+                read_in_place -= {i}
         n = len(args)
         self.region = region
         self.key = key
@@ -298,7 +312,7 @@ class _Instance:
         self.buffers: list[torch.Tensor] = []
         self.expanded_dims: list[tuple[int, ...]] = []
         for i in copied:
-            buf, graph_args[i], expanded = _input_buffer(args[i])
+            buf, graph_args[i], expanded = _input_buffer(args[i], region.device)
             buf.copy_(unexpand(args[i], expanded))
             self.buffers.append(buf)
             self.expanded_dims.append(expanded)
@@ -315,18 +329,16 @@ class _Instance:
             static=self.static,
             mutated=sorted(region.mutated_idx),
         )
+        #: Per tensor input, the tensor the graph read: the caller's tensor (static, read in place) or its buffer.
+        read = {i: graph_args[i] for i in self.static + copied}
         # The views of input buffers in graph_args (expanded inputs) must not count in the liveness baselines below.
         del graph_args
         self.emulated = isinstance(self.graph, EmulatedGraph)
         self.capture_seconds = time.perf_counter() - start
         self.pool_bytes = region.backend.reserved_bytes(region.device) - before
         self.replays = 0
-        self._adopt_outputs(
-            outputs,
-            {args[i].untyped_storage().data_ptr(): i for i in self.static},
-            region,
-        )
-        del outputs
+        self._adopt_outputs(outputs, args, read, region)
+        del outputs, read
         # Taken while nothing but anchors and input buffers references the output storages, and once every structure
         # of ours that references an anchor handed out as itself exists (those structures never change).
         self.group_baseline = [_use_count(cd) for cd in self.group_cdata]
@@ -342,10 +354,18 @@ class _Instance:
     def _adopt_outputs(
         self,
         outputs: Sequence[torch.Tensor],
-        static_storages: dict[int, int],
+        args: Sequence[torch.Tensor],
+        read: dict[int, torch.Tensor],
         region: GraphedRegion,
     ) -> None:
-        """Splits the captured outputs into borrowed ones (aliasing a static input) and anchors grouped by storage."""
+        """Splits the captured outputs into borrowed ones (views of an input) and anchors grouped by storage.
+
+        An output on the storage of an input the graph read (a view of it) is handed out as that view of the caller's
+        tensor, as in eager, also where the graph read a copy of it: the caller never sees an input buffer. Raises
+        :class:`CaptureFailed` where a buffer's layout differs from the caller's tensor's, so that the view cannot be
+        rebuilt on the caller's tensor.
+        """
+        sources = {t.untyped_storage().data_ptr(): i for i, t in read.items()}
         self.borrowed: list[tuple[int, tuple] | None] = []
         self.anchors: list[torch.Tensor | None] = []
         self.group_of: list[int] = []
@@ -358,9 +378,16 @@ class _Instance:
                 self.group_of.append(-1)
                 continue
             storage = out.untyped_storage()
-            if storage.data_ptr() in static_storages:
-                meta = (out.dtype, out.shape, out.stride(), out.storage_offset())
-                self.borrowed.append((static_storages[storage.data_ptr()], meta))
+            source = sources.get(storage.data_ptr())
+            if source is not None:
+                seen = read[source]
+                if seen.stride() != args[source].stride():
+                    raise CaptureFailed(
+                        f"output {region.info.output_names[len(self.borrowed)]} views input"
+                        f" {region.info.input_names[source]}, whose layout its buffer does not keep"
+                    )
+                offset = out.storage_offset() * out.element_size() - seen.storage_offset() * seen.element_size()
+                self.borrowed.append((source, (out.dtype, out.shape, out.stride(), offset)))
                 self.anchors.append(None)
                 self.group_of.append(-1)
                 continue
@@ -400,7 +427,7 @@ class _Instance:
         #: (output index, anchor): handed out as ``anchor.detach()`` (outputs that share a storage share its version
         #: counter)
         self.detached: list[tuple[int, torch.Tensor]] = []
-        #: (output index, static input index, (dtype, size, stride, offset)): a view of the static input
+        #: (output index, input index, (dtype, size, stride, byte offset)): a view of the caller's input
         self.aliased = [(i, b[0], b[1]) for i, b in enumerate(self.borrowed) if b is not None]
         #: (output index, anchor): handed out as ``anchor.clone()``
         self.cloned: list[tuple[int, torch.Tensor]] = []
@@ -515,6 +542,7 @@ class GraphedRegion:
         kinds: Sequence[InputKind],
         graphs: FunctionGraphs,
         input_is_mutated: Sequence[bool],
+        input_is_rng_state: Sequence[bool] = (),
     ) -> None:
         self.fn = fn
         self.info = info
@@ -524,6 +552,8 @@ class GraphedRegion:
         self.options = graphs.options
         self.device = torch.device(info.device)
         self.mutated_idx = {i for i, m in enumerate(input_is_mutated) if m}
+        #: Inputs read as dropout RNG state: an eager run reads them in host memory, a graph in device memory.
+        self.rng_state_idx = [i for i, r in enumerate(input_is_rng_state) if r]
         self.instances: list[_Instance] = []
         self.current: _Instance | None = None
         #: Outputs handed out as copies, because the caller was seen to keep them across calls.
@@ -721,6 +751,11 @@ class GraphedRegion:
         self.eager_calls[reason] += 1
         if reason not in ("warm-up",):
             logger.debug("%s: running eagerly (%s)", self.name, reason)
+        if self.rng_state_idx:
+            args = list(args)
+            for i in self.rng_state_idx:
+                if args[i] is not None and args[i].device.type != "cpu":  # a graph's output; waits for it
+                    args[i] = args[i].cpu()
         out = self.fn(*args)
         # An op may return its input as itself (contiguous): an anchor passed in must not be passed on to the caller.
         passed = {id(a) for a in args if isinstance(a, torch.Tensor)}

@@ -10,6 +10,7 @@ or outputs are not tensors on the graph's device, and symbols whose outputs have
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 import thunder.distributed.prims as dist_prims
@@ -20,7 +21,14 @@ from thunder.executors.torchex import ex as torch_executor
 
 from cudagraphex._protections import PROTECTIONS
 
-__all__ = ["NEVER_CAPTURED", "TRANSPARENT", "is_inplace_write", "unsafe_reason"]
+__all__ = [
+    "NEVER_CAPTURED",
+    "RNG_STATE_PARAMETERS",
+    "TRANSPARENT",
+    "is_inplace_write",
+    "rng_state_args",
+    "unsafe_reason",
+]
 
 
 def _with_torch_lowerings(ids: Iterable, reason: str) -> dict:
@@ -72,6 +80,26 @@ _COPY_IDS = frozenset(_with_torch_lowerings([prims.PrimIDs.COPY_], ""))
 def is_inplace_write(bsym: BoundSymbol) -> bool:
     """True for ``prims.copy_(src, dst)``, which writes ``bsym.args[1]``, in any of its lowerings."""
     return bsym.sym.id in _COPY_IDS
+
+
+#: Symbols that read the dropout RNG state (philox seed and offset) an attention forward returned, by the names of
+#: those parameters. The forward returns that state in host memory when it runs eagerly and in device memory when it
+#: is captured; the backward reads it through a host pointer when it runs eagerly and through a device pointer when it
+#: is captured (ATen's ``attention_backward.cu``), and a device pointer read on the host crashes the process. The
+#: runtime hands each run of a region the state where that run reads it.
+RNG_STATE_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "sdpaex_scaled_dot_product_efficient_attention_backward": ("philox_seed", "philox_offset"),
+    "sdpafx_scaled_dot_product_efficient_attention_backward": ("philox_seed", "philox_offset"),
+}
+
+
+def rng_state_args(bsym: BoundSymbol) -> list[TensorProxy]:
+    """The tensors ``bsym`` (or a symbol it calls) reads as dropout RNG state (see :data:`RNG_STATE_PARAMETERS`)."""
+    names = RNG_STATE_PARAMETERS.get(bsym.sym.name)
+    if names is None:
+        return [p for sub in bsym.subsymbols for p in rng_state_args(sub)]
+    bound = inspect.signature(bsym.sym.meta).bind(*bsym.args, **bsym.kwargs).arguments
+    return [bound[n] for n in names if isinstance(bound.get(n), TensorProxy)]
 
 
 def _tensor_problem(p: Proxy, device_type: str, role: str) -> str | None:

@@ -334,6 +334,43 @@ def test_output_that_views_a_parameter_as_another_dtype_keeps_that_dtype(backend
     assert len(inst.aliased) == 1 and inst.replays >= 2
 
 
+class _ReturnsItsWeightTransposed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w), self.w.t()
+
+
+def test_output_that_views_a_parameter_under_no_grad_is_a_view_of_it(backend):
+    """As in eager: the view requires grad, its base is the parameter, and autograd refuses an in-place write into it
+    under grad mode (a view created in no_grad mode)."""
+    model = _ReturnsItsWeightTransposed().to(backend.device)
+    jm = jit(model, backend.executor)
+    for _ in range(4):
+        with torch.no_grad():
+            y, wt = jm(torch.randn(2, 8, device=backend.device))
+        assert wt.requires_grad and wt._base is model.w
+        with pytest.raises(RuntimeError, match="no_grad mode"):
+            wt.add_(1)
+        del y, wt
+    assert replays(jm, backend.executor) >= 2
+
+
+def test_output_that_views_a_new_input_sees_later_writes_into_it(backend):
+    """The graph copies each new input into its buffer; an output that views the input is still a view of the caller's
+    tensor, as in eager, not of that buffer."""
+    jf = jit(lambda x: ((x * 2).sin(), x[0]), backend.executor)
+    for _ in range(4):
+        x = torch.randn(3, 4, device=backend.device)
+        y, row = jf(x)
+        x[0].fill_(7.0)
+        assert row._base is x and torch.equal(row, torch.full((4,), 7.0, device=backend.device))
+        del y, row
+    assert replays(jf, backend.executor) >= 2
+
+
 def test_copies_of_outputs_of_several_dtypes_on_one_storage():
     """The copy path rebuilds members of any dtype, even one whose item size does not divide the storage's size (a
     float64 view of two of three float32s; Thunder 0.2.6 cannot trace one, so the helper is called directly)."""
