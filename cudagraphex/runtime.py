@@ -38,10 +38,10 @@ Who owns which memory
     cheaper ``anchor.data``, whose version counter is its own (the anchor's, which nothing reads, does not follow it).
     An output the trace does not return (a tensor saved for backward, an intermediate that a later symbol reads) is
     handed out as the anchor itself, which Thunder's code only reads, passes on and saves; that spares an alias per
-    output and replay. An output that views an input is handed out as the same view of the caller's tensor, made as
-    eager makes it (its base, version counter and ``requires_grad`` follow the input), also where the graph read a
-    copy of the input; a capture whose input buffer cannot keep the caller's layout fails rather than hand out a
-    view of the buffer. How each output is handed out is decided once per instance (``_Instance.plan_handout``).
+    output and replay. An output that aliases an input (the input itself, a view, a ``detach``) is handed out as the
+    same alias of the caller's tensor, made as eager makes it (its base, version counter and ``requires_grad`` follow
+    the input), also where the graph read a copy of the input; a capture whose input buffer cannot keep the caller's
+    layout fails rather than hand out an alias of the buffer. How each output is handed out is decided once per instance (``_Instance.plan_handout``).
     Input buffers are ordinary allocations owned by the graph. Everything is owned by the compiled function, through
     its compile data, and is freed with it.
 
@@ -182,6 +182,8 @@ class FunctionGraphs:
         self.fusions: dict[str, Any] = {}
         #: Set when the function was compiled with PruneParameterChecks: a moved parameter is then an error.
         self.parameters_trusted = False
+        #: ``id`` of every anchor handed out as itself: a region running eagerly never passes one on to its caller.
+        self.direct_anchors: set[int] = set()
 
     def next_fusion_id(self) -> int:
         """A number unique within this compiled function, so fusion names never collide across its traces."""
@@ -225,27 +227,43 @@ def _input_buffer(a: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, 
     """
     expanded = expanded_dims(a)
     shape = [1 if d in expanded else n for d, n in enumerate(a.shape)]
-    buf = torch.empty_strided(shape, a.stride(), dtype=a.dtype, device=device)
-    if torch._debug_has_internal_overlap(buf) != 0:
+    if _overlaps(shape, a.stride()):
         buf = torch.empty(shape, dtype=a.dtype, device=device)
+    else:  # the caller's layout, gaps included: a kernel that reads another layout may round differently
+        buf = torch.empty_strided(shape, a.stride(), dtype=a.dtype, device=device)
     return buf, buf.expand(a.shape) if expanded else buf, expanded
 
 
+def _overlaps(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether two elements of a tensor laid out as ``shape`` and ``stride`` share memory."""
+    dims = sorted((st, n) for n, st in zip(shape, stride, strict=True) if n > 1)
+    reach = 0  # the largest offset reachable with the dims so far
+    for st, n in dims:
+        if st <= reach:
+            return True
+        reach += st * (n - 1)
+    return False
+
+
 def _view_of(source: torch.Tensor, meta: tuple) -> torch.Tensor:
-    """A view of ``source`` laid out as ``meta`` (dtype, size, stride, byte offset from ``source``'s first element),
-    made as the view op makes it in eager, in the caller's grad mode: its base is ``source``'s, it shares ``source``'s
-    version counter, and it requires grad where ``source`` does. Another dtype goes through a flat view of the whole
-    storage, which raises (never guesses) where that storage's size or the offset is not a multiple of the new item
-    size."""
-    dtype, size, stride, byte_offset = meta
+    """An alias of ``source`` laid out as ``meta`` (dtype, size, stride, byte offset from ``source``'s first element,
+    whether it is a view), made as eager makes it, in the caller's grad mode. A view's base is ``source``'s and it
+    requires grad where ``source`` does; an alias that is not a view (``detach``) requires no grad. Both share
+    ``source``'s version counter. Another dtype goes through a flat view of the whole storage, which raises (never
+    guesses) where that storage's size or the offset is not a multiple of the new item size."""
+    dtype, size, stride, byte_offset, is_view = meta
+    if not is_view:
+        source = source.detach()
     start = source.storage_offset() * source.element_size() + byte_offset
     if dtype == source.dtype:
-        return source.as_strided(size, stride, start // source.element_size())
-    whole = source.untyped_storage().nbytes() // source.element_size()
-    flat = source.as_strided((whole,), (1,), 0).view(dtype)
-    if start % flat.element_size():
-        raise RuntimeError(f"cudagraphex: a {dtype} view at byte {start} of a {source.dtype} input is misaligned")
-    return flat.as_strided(size, stride, start // flat.element_size())
+        alias = source.as_strided(size, stride, start // source.element_size())
+    else:
+        whole = source.untyped_storage().nbytes() // source.element_size()
+        flat = source.as_strided((whole,), (1,), 0).view(dtype)
+        if start % flat.element_size():
+            raise RuntimeError(f"cudagraphex: a {dtype} view at byte {start} of a {source.dtype} input is misaligned")
+        alias = flat.as_strided(size, stride, start // flat.element_size())
+    return alias if is_view else alias.detach()
 
 
 def _sharing_one_version(storage: torch.UntypedStorage, members: list[tuple[int, torch.Tensor, tuple]]) -> list:
@@ -318,6 +336,8 @@ class _Instance:
             self.expanded_dims.append(expanded)
         self.any_expanded = any(self.expanded_dims)
         self.copy_back = [(i, buf) for i, buf in zip(copied, self.buffers, strict=True) if i in region.mutated_idx]
+        #: Inputs the graph writes where they are; the copy-back bumps the version counters of the others.
+        self.written_in_place = [i for i in self.static if i in region.mutated_idx]
 
         before = region.backend.reserved_bytes(region.device)
         start = time.perf_counter()
@@ -342,6 +362,7 @@ class _Instance:
         # Taken while nothing but anchors and input buffers references the output storages, and once every structure
         # of ours that references an anchor handed out as itself exists (those structures never change).
         self.group_baseline = [_use_count(cd) for cd in self.group_cdata]
+        region.graphs.direct_anchors.update(id(a) for a in self.direct)
         self.direct_baseline = self._direct_references()
 
         # Storages whose liveness gates this instance's replays: (cdata, baseline, owner instance, group).
@@ -381,13 +402,17 @@ class _Instance:
             source = sources.get(storage.data_ptr())
             if source is not None:
                 seen = read[source]
-                if seen.stride() != args[source].stride():
+                if out is seen:  # an in-place op returns its input itself, and so does the handed-out output
+                    self.borrowed.append((source, None))
+                elif seen.stride() != args[source].stride():
                     raise CaptureFailed(
                         f"output {region.info.output_names[len(self.borrowed)]} views input"
                         f" {region.info.input_names[source]}, whose layout its buffer does not keep"
                     )
-                offset = out.storage_offset() * out.element_size() - seen.storage_offset() * seen.element_size()
-                self.borrowed.append((source, (out.dtype, out.shape, out.stride(), offset)))
+                else:
+                    offset = out.storage_offset() * out.element_size() - seen.storage_offset() * seen.element_size()
+                    meta = (out.dtype, out.shape, out.stride(), offset, out._is_view())
+                    self.borrowed.append((source, meta))
                 self.anchors.append(None)
                 self.group_of.append(-1)
                 continue
@@ -427,7 +452,8 @@ class _Instance:
         #: (output index, anchor): handed out as ``anchor.detach()`` (outputs that share a storage share its version
         #: counter)
         self.detached: list[tuple[int, torch.Tensor]] = []
-        #: (output index, input index, (dtype, size, stride, byte offset)): a view of the caller's input
+        #: (output index, input index, (dtype, size, stride, byte offset, is a view)): an alias of the caller's input (the
+        #: input itself where the meta is None)
         self.aliased = [(i, b[0], b[1]) for i, b in enumerate(self.borrowed) if b is not None]
         #: (output index, anchor): handed out as ``anchor.clone()``
         self.cloned: list[tuple[int, torch.Tensor]] = []
@@ -510,6 +536,8 @@ class _Instance:
             self.graph.replay(args)
         else:
             self.graph.replay()
+            if self.written_in_place:  # as eager's in-place ops do, so that autograd sees the writes
+                torch.autograd.graph.increment_version([args[i] for i in self.written_in_place])
         if self.copy_back and PROTECTIONS["copy_back_mutated_inputs"]:
             torch._foreach_copy_([args[i] for i, _ in self.copy_back], [buf for _, buf in self.copy_back])
         self.replays += 1
@@ -524,7 +552,7 @@ class _Instance:
 
     def _rebuild_outputs(self, out: list[torch.Tensor | None], args: Sequence[torch.Tensor]) -> None:
         for i, source, meta in self.aliased:
-            out[i] = _view_of(args[source], meta)
+            out[i] = args[source] if meta is None else _view_of(args[source], meta)
         for i, anchor in self.cloned:
             out[i] = anchor.clone()
         for anchor, members in self.storage_copies:
@@ -758,8 +786,8 @@ class GraphedRegion:
                     args[i] = args[i].cpu()
         out = self.fn(*args)
         # An op may return its input as itself (contiguous): an anchor passed in must not be passed on to the caller.
-        passed = {id(a) for a in args if isinstance(a, torch.Tensor)}
-        return [o.detach() if id(o) in passed else o for o in out]
+        anchors = self.graphs.direct_anchors
+        return [o.detach() if id(o) in anchors else o for o in out]
 
 
 def _version(t: torch.Tensor | None) -> int | None:

@@ -358,6 +358,23 @@ def test_output_that_views_a_parameter_under_no_grad_is_a_view_of_it(backend):
     assert replays(jm, backend.executor) >= 2
 
 
+def test_output_that_detaches_an_input_is_a_detached_alias_of_it(backend):
+    """``detach`` of a tensor an op outside graphs produced: as in eager, the caller may write into the result (a view
+    would be refused as an output of Thunder's autograd function), and it shares memory with that tensor."""
+    ex = _Keeps(
+        f"cudagraphex_eager_add_{backend.name}", "add", backend=backend.executor.options.backend, min_region_size=1
+    )
+    jf = jit(lambda x, k: ((x.square() + k).detach(),), ex)
+    for _ in range(4):
+        x = torch.randn(4, 2, device=backend.device, requires_grad=True)
+        (out,) = jf(x, torch.tensor(2.0, device=backend.device))
+        assert not out._is_view()
+        out.add_(1)
+        torch.testing.assert_close(out, x.detach().square() + 3)
+        del out
+    assert replays(jf, ex) >= 2
+
+
 def test_output_that_views_a_new_input_sees_later_writes_into_it(backend):
     """The graph copies each new input into its buffer; an output that views the input is still a view of the caller's
     tensor, as in eager, not of that buffer."""
@@ -454,6 +471,49 @@ def test_saved_tensors_kept_by_a_pack_hook_survive(backend):
 def accumulate(buf, x):
     buf.add_(x)
     return x * 2 + buf.sum()
+
+
+def test_input_written_in_place_and_returned_is_returned_as_itself(backend):
+    """``s.mul_(0.5); return s`` returns the caller's tensor itself, as eager and Thunder do, with its autograd state."""
+
+    def f(s):
+        s.mul_(0.5)
+        return s
+
+    jf = jit(f, backend.executor)
+    s = torch.randn(4, device=backend.device)
+    x = torch.randn(4, device=backend.device, requires_grad=True)
+    s0, x0 = s.clone(), x.detach().clone()
+    for _ in range(4):
+        assert jf(s) is s
+        with torch.no_grad():
+            assert jf(x) is x
+    assert x.requires_grad
+    torch.testing.assert_close((s, x.detach()), (s0 / 16, x0 / 16))
+    assert replays(jf, backend.executor) >= 2
+
+
+class _CountsInABuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(4))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.calls * x  # saves the buffer for x's gradient
+
+
+def test_write_into_a_saved_buffer_reaches_autograd(backend):
+    """A replay writes the buffer a pending backward saved: autograd refuses that backward, as in eager (a graph's
+    writes bump version counters as eager's in-place ops do)."""
+    model = _CountsInABuffer().to(backend.device)
+    jm = jit(model, backend.executor)
+    for _ in range(4):
+        first = jm(torch.ones(4, device=backend.device, requires_grad=True)).sum()
+        jm(torch.ones(4, device=backend.device, requires_grad=True))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            first.backward()
+    assert replays(jm, backend.executor) >= 2
 
 
 def test_inplace_update_of_an_input_is_applied_once_per_call(backend):
