@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import BACKENDS
+from tests.helpers import BACKENDS, install_cuda_device_guard
+
+install_cuda_device_guard()
 
 
 def pytest_collection_modifyitems(config, items):

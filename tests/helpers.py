@@ -79,3 +79,13 @@ def assert_grads_close(module: torch.nn.Module, reference: torch.nn.Module, **kw
             assert p.grad is None and r.grad is None, name
             continue
         torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"grad of {name}: {m}", **kwargs)
+
+
+def install_cuda_device_guard() -> None:
+    """Installs torch's CUDA device guard in this thread, on a machine without CUDA.
+
+    FakeTensorMode (Thunder enters it to trace some ops) installs a no-op guard on first use; installed from a thread
+    that then exits, it leaves the process to crash at its next use (torch 2.11). Tests compile in threads.
+    """
+    if not torch.cuda.is_available():
+        torch._C._ensureCUDADeviceGuardSet()
