@@ -553,10 +553,10 @@ def refused_rematerialization(
     """
     returned = {p.name for p in outputs}
     dropped = {p.name for p in planned.outputs} - returned
-    computing = [b for b in members if any(p.name in dropped for p in b.flat_proxy_outs)]
+    computing = [b for b in (*members, *planned.bound_symbols) if any(p.name in dropped for p in b.flat_proxy_outs)]
     if dropped and not all(map(fused, computing)):
         outputs = list(planned.outputs)
-    members = _restore_lost_members(planned.bound_symbols, members, {p.name for p in inputs})
+    members = _restore_lost_members(planned.bound_symbols, members, {p.name for p in inputs}, outputs)
     planned_members = {id(b) for b in planned.bound_symbols}
     if all(id(b) in planned_members for b in members):
         return members, _inputs_read(members, (*inputs, *planned.inputs)), outputs
@@ -594,14 +594,16 @@ def _inputs_read(members: list[BoundSymbol], candidates: Iterable[TensorProxy]) 
 
 
 def _restore_lost_members(
-    planned: list[BoundSymbol], members: list[BoundSymbol], inputs: Collection[str]
+    planned: list[BoundSymbol], members: list[BoundSymbol], inputs: Collection[str], outputs: Iterable[TensorProxy]
 ) -> list[BoundSymbol]:
-    """``members`` with the planned members put back that produce what the region reads but neither produces nor
-    receives. Thunder rebuilds a rematerialized consumer through a topological sort from its outputs that loses
-    symbols without tensor inputs (``zeros`` in a backward); the region would read an unbound name. Each one put back
-    goes right before the first member that reads what it produces."""
+    """``members`` with the planned members put back that produce what the region reads or returns but neither
+    produces nor receives. Thunder rebuilds a rematerialized consumer through a topological sort from its outputs that
+    loses symbols without tensor inputs (``zeros`` in a backward), and drops the members of a producer that computed
+    outputs it stopped returning, which a refused rematerialization returns again. Each one put back goes right before
+    the first member that reads what it produces."""
     produced = {p.name for b in members for p in b.flat_proxy_outs}
-    missing = {p.name for b in members for p in b.flat_proxy_args} - produced - set(inputs)
+    wanted = {p.name for b in members for p in b.flat_proxy_args} | {p.name for p in outputs}
+    missing = wanted - produced - set(inputs)
     present = {id(b) for b in members}
     lost: list[BoundSymbol] = []
     for bsym in reversed(planned):

@@ -217,6 +217,14 @@ def test_rematerialization_never_loses_a_member_without_inputs():
     assert (members, inputs, outputs) == ([exp, zeros, add], [x], [add.output])
 
 
+def test_refused_rematerialization_puts_back_the_members_of_the_outputs_it_keeps():
+    # Rematerialization hands back the producer without cos, whose output b it no longer returns; refused, the region
+    # returns b again and needs cos back.
+    producer, _, (sin, cos, _), (x, a, b) = _chain_regions()
+    members, inputs, outputs = refused_rematerialization(producer, [sin], [x], [a], [], lambda bsym: False)
+    assert (members, inputs, [p.name for p in outputs]) == ([sin, cos], [x], [b.name])
+
+
 def index_copy_into_an_input(x, cache, pos):
     h = x * 2
     cache.index_copy_(0, pos, h[:2])
