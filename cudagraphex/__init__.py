@@ -4,6 +4,7 @@ from cudagraphex.diagnostics import Report, explain
 from cudagraphex.executor import CUDAGraphExecutor, cudagraphex
 from cudagraphex.legacy import CUDAGraphTransform, install_use_cudagraphs_shim, jit
 from cudagraphex.runtime import ParameterMovedError, StrictModeError
+from cudagraphex.step import StepGraph, StepReport, graph_step
 from cudagraphex.trusted_parameters import PruneParameterChecks
 
 __all__ = [
@@ -12,9 +13,12 @@ __all__ = [
     "ParameterMovedError",
     "PruneParameterChecks",
     "Report",
+    "StepGraph",
+    "StepReport",
     "StrictModeError",
     "cudagraphex",
     "explain",
+    "graph_step",
     "install_use_cudagraphs_shim",
     "jit",
 ]

@@ -8,10 +8,11 @@ its capture run did.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -24,6 +25,7 @@ __all__ = [
     "EmulatedBackend",
     "backend_for",
     "is_capturing",
+    "whole_step",
 ]
 
 #: Captures are serialised process-wide: two threads capturing at once would share the capture stream.
@@ -38,6 +40,22 @@ class CaptureFailed(RuntimeError):
 def is_capturing() -> bool:
     """True while this thread is capturing a region (with either backend)."""
     return getattr(_capturing, "active", False)
+
+
+#: How many whole-step warm-ups or captures are running. Process-wide, not per thread: a step's backward runs on
+#: autograd's device threads.
+step_depth = 0
+
+
+@contextlib.contextmanager
+def whole_step() -> Iterator[None]:
+    """While a whole step warms up or is captured, regions run their symbols as plain code (see ``cudagraphex.step``)."""
+    global step_depth
+    step_depth += 1
+    try:
+        yield
+    finally:
+        step_depth -= 1
 
 
 class CudaBackend:

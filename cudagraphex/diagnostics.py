@@ -13,6 +13,7 @@ import thunder
 from cudagraphex.regions import Break
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion
 from cudagraphex.static_inputs import InputKind
+from cudagraphex.step import StepGraph, StepReport
 
 __all__ = ["GraphReport", "RegionReport", "Report", "TraceReport", "explain"]
 
@@ -202,15 +203,19 @@ def _function_graphs(fn: Any) -> Iterable[tuple[str, FunctionGraphs]]:
         yield name, graphs
 
 
-def explain(fn: Any) -> Report:
-    """What cudagraphex did for a compiled function: regions, graphs, replays, memory, and every break with its reason.
+def explain(fn: Any) -> Report | StepReport:
+    """What cudagraphex did for a compiled function: regions, graphs, replays, memory, and every break with its reason;
+    for a :func:`~cudagraphex.graph_step` step, its :class:`~cudagraphex.StepReport`.
 
     Args:
-        fn: a function or module compiled by ``thunder.jit`` or ``thunder.compile``, or a ``thunderfx`` object.
+        fn: a function or module compiled by ``thunder.jit`` or ``thunder.compile``, a ``thunderfx`` object, or a
+            :class:`~cudagraphex.StepGraph`.
 
     Raises:
         TypeError: if ``fn`` was not compiled by Thunder.
     """
+    if isinstance(fn, StepGraph):
+        return fn.report()
     report = Report(function=getattr(fn, "__name__", type(fn).__name__))
     for label, graphs in _function_graphs(fn):
         for trace_label, breaks, regions in graphs.traces:

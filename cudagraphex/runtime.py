@@ -60,7 +60,8 @@ Capture
     inner fusions). A later call captures and then replays, so every call applies its side effects exactly once.
     A capture that fails leaves the process as it was (RNG state restored, current stream unchanged) and the region
     runs eagerly from then on, with one warning. The number of instances per region is bounded; past the bound new
-    signatures run eagerly, with one warning.
+    signatures run eagerly, with one warning. While a whole step (``cudagraphex.step``) warms up or is captured,
+    regions run their symbols as plain code: the step's graph holds them.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ from typing import Any
 import torch
 from torch._C._dynamo.guards import TensorGuards
 
+from cudagraphex import capture as _backends
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.capture import (
     CaptureFailed,
@@ -601,6 +603,9 @@ class GraphedRegion:
         return self.info.name
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
+        if _backends.step_depth:  # a whole step is warming up or being captured: it holds the graph
+            self.eager_calls["inside a whole step"] += 1
+            return self._plain(args)
         inst = self.current
         if inst is not None:
             copied = inst.fitting_copied_inputs(args)
@@ -784,6 +789,9 @@ class GraphedRegion:
             for i in self.rng_state_idx:
                 if args[i] is not None and args[i].device.type != "cpu":  # a graph's output; waits for it
                     args[i] = args[i].cpu()
+        return self._plain(args)
+
+    def _plain(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         out = self.fn(*args)
         # An op may return its input as itself (contiguous): an anchor passed in must not be passed on to the caller.
         anchors = self.graphs.direct_anchors

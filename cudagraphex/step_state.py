@@ -1,0 +1,201 @@
+"""The state of a whole step (see ``cudagraphex.step``): the slots where its tensors live, their guard inputs, and
+the check for host work that keeps a step out of a graph.
+
+Invariants
+==========
+``Slots.tensors()`` reads every slot in one fixed order (parameters, buffers, gradients, optimizer state), enumerated
+once per registration generation: a module registering a parameter, buffer or submodule anywhere bumps the generation
+(global registration hooks), and so does an optimizer whose state or param groups change shape (``stale``). Only
+gradient and buffer slots are ever reassigned by cudagraphex, and only to the tensor they held before the step.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "HostWork",
+    "Slots",
+    "install_registration_hooks",
+    "is_tensor",
+    "keep_slots",
+    "same_hyperparameters",
+    "state_layout",
+    "unsettled",
+]
+
+#: Bumped whenever any module registers a parameter, buffer or submodule: slots are then enumerated again.
+_registrations = [0]
+_hooks_installed = threading.Lock()
+_hooks: list[Any] = []
+
+
+def _bump(*_args: Any) -> None:
+    _registrations[0] += 1
+
+
+def install_registration_hooks() -> None:
+    with _hooks_installed:
+        if not _hooks:
+            nn_module = torch.nn.modules.module
+            _hooks.append(nn_module.register_module_parameter_registration_hook(_bump))
+            _hooks.append(nn_module.register_module_buffer_registration_hook(_bump))
+            _hooks.append(nn_module.register_module_module_registration_hook(_bump))
+
+
+class Slots:
+    """The step's state: where each tensor a replay reads or writes lives in Python, enumerated once per registration
+    generation. ``tensors()`` reads every slot in a fixed order; ``put`` sets one."""
+
+    def __init__(self, modules: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        self.modules = modules
+        self.optimizers = optimizers
+        self.generation = _registrations[0]
+        self.submodules = list(dict.fromkeys(s for m in modules for s in m.modules()))
+        params = [p for m in self.submodules for p in m._parameters.values() if p is not None]
+        params += [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+        self.params = list(dict.fromkeys(params))
+        #: (module, buffer name) of every buffer.
+        self.buffer_slots = [(m, n) for m in self.submodules for n, b in m._buffers.items() if b is not None]
+        self.states = [opt.state for opt in optimizers]
+        self.state_entries = [
+            (st, p, k) for st in self.states for p in self.params if p in st for k in st[p] if is_tensor(st[p][k])
+        ]
+        self.num_params = len(self.params)
+        self.num_buffers = len(self.buffer_slots)
+        self.num_state_values = sum(len(v) for st in self.states for v in st.values())
+        self.group_sizes = [len(g["params"]) for opt in optimizers for g in opt.param_groups]
+
+    def stale(self) -> bool:
+        """Whether a registration happened, or an optimizer's state changed shape, since the slots were enumerated."""
+        if _registrations[0] != self.generation:
+            return True
+        for opt, st in zip(self.optimizers, self.states, strict=True):
+            if opt.state is not st:
+                return True
+        if sum(len(v) for st in self.states for v in st.values()) != self.num_state_values:
+            return True
+        return [len(g["params"]) for opt in self.optimizers for g in opt.param_groups] != self.group_sizes
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Parameters, buffers, gradients, optimizer state, in that order."""
+        params = self.params
+        return [
+            *params,
+            *(m._buffers[n] for m, n in self.buffer_slots),
+            *(p.grad for p in params),
+            *(st[p][k] for st, p, k in self.state_entries),
+        ]
+
+    def grad_index(self, i: int) -> int | None:
+        g = i - self.num_params - self.num_buffers
+        return g if 0 <= g < self.num_params else None
+
+    def put(self, i: int, value: torch.Tensor | None) -> None:
+        """Sets slot ``i`` (a gradient or a buffer; parameters and optimizer state are not reassigned)."""
+        g = self.grad_index(i)
+        if g is not None:
+            self.params[g].grad = value
+            return
+        b = i - self.num_params
+        if 0 <= b < self.num_buffers:
+            module, name = self.buffer_slots[b]
+            module._buffers[name] = value
+            return
+        raise AssertionError(f"slot {i} is not reassigned")
+
+    def reassignable(self, i: int) -> bool:
+        return self.num_params <= i < 2 * self.num_params + self.num_buffers
+
+    def modes(self) -> tuple:
+        """Grad mode, autocast, and every module's training flag: a different one needs another graph."""
+        return (
+            torch.is_grad_enabled(),
+            torch.is_autocast_enabled("cuda"),
+            torch.get_autocast_dtype("cuda"),
+            torch.is_autocast_enabled("cpu"),
+            tuple(m.training for m in self.submodules),
+        )
+
+    def hyperparameters(self) -> list[list[tuple[str, Any]]]:
+        return [[(k, v) for k, v in g.items() if k != "params"] for opt in self.optimizers for g in opt.param_groups]
+
+
+def is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def same_hyperparameters(a: list, b: list) -> bool:
+    if len(a) != len(b):
+        return False
+    for ga, gb in zip(a, b, strict=True):
+        if len(ga) != len(gb):
+            return False
+        for (ka, va), (kb, vb) in zip(ga, gb, strict=True):
+            if ka != kb:
+                return False
+            if is_tensor(va) or is_tensor(vb):
+                if va is not vb:
+                    return False
+            elif type(va) is not type(vb) or va != vb:
+                return False
+    return True
+
+
+class HostWork(TorchDispatchMode):
+    """Finds ops a graph cannot replay: ``.item()``, and ops on CPU tensors when the graph is on a GPU."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.found: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.found is None:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.found = "reads a device value on the host (.item() or a Python conversion of a tensor)"
+            elif self.device_type != "cpu" and "attention" not in func.__name__:
+                # Attention ops are exempt: their CPU tensors are dropout RNG state, in device memory when captured.
+                for t in pytree.tree_leaves((args, kwargs)):
+                    if is_tensor(t) and t.device.type == "cpu":
+                        self.found = f"runs {func} on a CPU tensor (a non-capturable optimizer, or a CPU scalar tensor)"
+                        break
+        return func(*args, **kwargs)
+
+
+def state_layout(tensors: list) -> tuple:
+    """Which slots hold a tensor: a gradient that appears or disappears changes what a graph reads and writes."""
+    return tuple(t is None for t in tensors)
+
+
+def keep_slots(slots: Slots, before: list, *, restore: bool = False) -> None:
+    """Gives every gradient and buffer slot whose tensor the step replaced its tensor from ``before`` back, with the
+    new value copied in (see "Slots keep their tensors" in ``cudagraphex.step``). A slot that was empty, that the step
+    emptied, or whose new tensor has another layout keeps what the step left. With ``restore``, every such slot gets
+    its old tensor back unchanged (a failed capture, whose device work never ran)."""
+    after = slots.tensors()
+    with torch.no_grad():
+        for i, (old, new) in enumerate(zip(before, after, strict=True)):
+            if old is None or new is old or not slots.reassignable(i):
+                continue
+            if not restore:
+                if new is None or new.shape != old.shape or new.dtype != old.dtype or new.stride() != old.stride():
+                    continue
+                old.copy_(new)
+            slots.put(i, old)
+
+
+def unsettled(before: list, after: list) -> str:
+    """Why a graph captured from ``before`` is not valid for ``after`` (empty if it is): slots that changed address."""
+    moved = sum(
+        1
+        for a, b in zip(before, after, strict=True)
+        if (a is None) != (b is None) or (a is not None and b is not None and a.data_ptr() != b.data_ptr())
+    )
+    return f"{moved} slot(s)" if moved else ""

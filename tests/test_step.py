@@ -1,0 +1,365 @@
+"""Whole-step graphs (:func:`cudagraphex.graph_step`): a step replayed from one graph computes what running it does.
+
+Every test runs the step twice in lock-step, through ``graph_step`` and as plain Thunder, from the same parameters and
+seeds, and compares what a caller can observe after every call: the returned values, parameters, gradients (and which
+are None) and optimizer state. On the CPU replay backend the comparison is exact.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import thunder
+import torch
+from torch import nn
+
+import cudagraphex
+from benchmarks.models import GPT, GPTConfig, mlp
+from cudagraphex import StepReport, StrictModeError, explain, graph_step
+from tests.helpers import jit, num_graphs, twin
+
+
+def _optimizer(params, backend, adam=True):
+    if backend.name == "cuda" and adam:
+        return torch.optim.AdamW(params, lr=1e-2, capturable=True, foreach=True)
+    return torch.optim.SGD(params, lr=1e-2, momentum=0.9)  # capturable optimizers need a GPU
+
+
+class _Pair:
+    """A model trained through ``graph_step`` and its twin trained by plain Thunder, with one step function each."""
+
+    def __init__(self, backend, make_model=None, pattern="zero_first", adam=True, **options):
+        self.backend = backend
+        model = (make_model or (lambda: mlp(2, 16)))().to(backend.device)
+        self.models = [model, twin(model)]
+        self.compiled = [jit(self.models[0], backend.executor), thunder.jit(self.models[1])]
+        self.opts = [_optimizer(m.parameters(), backend, adam) for m in self.models]
+        self.steps = [self._step_fn(i, pattern) for i in range(2)]
+        self.step = graph_step(
+            self.steps[0], modules=[self.models[0]], optimizers=[self.opts[0]], backend=backend.name, **options
+        )
+
+    def _step_fn(self, i, pattern):
+        model, opt = self.compiled[i], self.opts[i]
+
+        def loss_of(x, y):
+            return ((model(x) - y) ** 2).mean()
+
+        def step(x, y):
+            if pattern == "zero_first":
+                opt.zero_grad()
+            if pattern == "micro_batches":
+                opt.zero_grad()
+                total = 0
+                for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+                    loss = loss_of(xs, ys) / 2
+                    loss.backward()
+                    total = total + loss.detach()
+                opt.step()
+                return total
+            loss = loss_of(x, y)
+            loss.backward()
+            if pattern != "accumulate":
+                opt.step()
+            if pattern == "zero_last":
+                opt.zero_grad()
+            return loss.detach()
+
+        return step
+
+    def batch(self, rows=4):
+        return torch.randn(rows, 16, device=self.backend.device), torch.randn(rows, 16, device=self.backend.device)
+
+    def call(self, *args, seed=0):
+        """One call of each; returns both results after checking that they and the state agree."""
+        torch.manual_seed(seed)
+        got = self.step(*args)
+        torch.manual_seed(seed)
+        want = self.steps[1](*args)
+        self.check(got, want)
+        return got, want
+
+    def check(self, got, want):
+        close = _assert_close if self.backend.name == "cuda" else _assert_equal
+        close(got, want)
+        for p, q in zip(self.models[0].parameters(), self.models[1].parameters(), strict=True):
+            close(p, q)
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                close(p.grad, q.grad)
+        for s, t in zip(self.opts[0].state.values(), self.opts[1].state.values(), strict=True):
+            for k in s:
+                close(s[k], t[k])
+
+
+def _calls(pair, n, *, rows=4, first_seed=0, inputs_require_grad=False):
+    for i in range(n):
+        x, y = pair.batch(rows)
+        pair.call(x.requires_grad_(inputs_require_grad), y, seed=first_seed + i)
+
+
+def _assert_close(a, b):
+    # Thunder's traces with and without cudagraphex order some reductions differently (and attention's backward is
+    # not deterministic); Adam turns last-bit gradient differences into parameter differences of up to ~1e-4. A stale
+    # replay misses a whole step: differences of the order of the learning rate (1e-2).
+    torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def _assert_equal(a, b):
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _replays(step) -> int:
+    return explain(step).replays
+
+
+# -- what the step computes ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pattern", ["zero_first", "zero_last", "accumulate", "micro_batches"])
+def test_step_patterns_match_thunder_and_replay(backend, pattern):
+    pair = _Pair(backend, pattern=pattern)
+    for i in range(8):
+        pair.call(*pair.batch(), seed=i)
+    report = explain(pair.step)
+    assert isinstance(report, StepReport)
+    assert report.replays >= 4, report
+    assert report.not_captured is None
+
+
+def test_a_gpt_step_matches_thunder(backend):
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    # SGD: Adam's first updates are about lr times the sign of each gradient, and the gradients of attention's key bias
+    # are rounding noise, whose sign differs between Thunder's traces with and without cudagraphex.
+    pair = _Pair(backend, make_model=lambda: GPT(config), pattern="zero_first", adam=False)
+    pair.compiled[0] = jit(pair.models[0], backend.executor)
+
+    def step_of(i):
+        model, opt = pair.compiled[i], pair.opts[i]
+
+        def step(idx, targets):
+            opt.zero_grad()
+            loss = model(idx, targets)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return step
+
+    pair.steps = [step_of(0), step_of(1)]
+    pair.step = graph_step(pair.steps[0], modules=[pair.models[0]], optimizers=[pair.opts[0]], backend=backend.name)
+    for i in range(6):
+        idx = torch.randint(0, 64, (2, 16), device=backend.device)
+        pair.call(idx, torch.randint(0, 64, (2, 16), device=backend.device), seed=i)
+    assert _replays(pair.step) >= 2
+    # Inside the step the Thunder regions run as plain code: they capture no graphs of their own.
+    assert num_graphs(pair.compiled[0], backend.executor) == 0
+
+
+def test_outputs_the_caller_keeps_are_never_overwritten(backend):
+    pair = _Pair(backend)
+    kept = [pair.call(*pair.batch(), seed=i) for i in range(6)]
+    for got, want in kept:
+        pair.check(got, want)
+    assert _replays(pair.step) >= 2
+
+
+def test_dropout_draws_fresh_values_on_every_replay(backend):
+    def make():
+        return nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.Linear(64, 16))
+
+    pair = _Pair(backend, make_model=make)
+    x, y = pair.batch()
+    losses = [pair.call(x, y, seed=i)[0] for i in range(8)]
+    assert _replays(pair.step) >= 4
+    # The same batch gives a different loss each call: the masks are drawn afresh (the parameters change too, but
+    # far less than a new mask changes the loss).
+    assert len({round(float(v), 6) for v in losses[-4:]}) == 4
+
+
+# -- what is guarded ---------------------------------------------------------------------------------------------------
+
+
+def _set_grads_to_none(pair):
+    for opt in pair.opts:
+        opt.zero_grad(set_to_none=True)
+
+
+def _move_a_parameter(pair):
+    for m in pair.models:
+        m[0].weight.data = m[0].weight.data.clone()
+
+
+def _replace_a_parameter(pair):
+    for m, opt in zip(pair.models, pair.opts, strict=True):
+        new = nn.Parameter(m[2].bias.detach() * 0.5)
+        m[2].bias = new
+        opt.param_groups[0]["params"] = list(m.parameters())
+
+
+def _halve_the_learning_rate(pair):
+    for opt in pair.opts:
+        opt.param_groups[0]["lr"] *= 0.5
+
+
+def _reload_the_optimizer(pair):
+    for opt in pair.opts:
+        opt.load_state_dict(opt.state_dict())
+
+
+def _switch_to_eval(pair):
+    for m in pair.models:
+        m.eval()
+
+
+def _add_a_param_group(pair):
+    extra = nn.Linear(16, 16).to(pair.backend.device)
+    for m, opt in zip(pair.models, pair.opts, strict=True):
+        m.extra = twin(extra)
+        opt.add_param_group({"params": list(m.extra.parameters()), "lr": 0.1})
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _set_grads_to_none,
+        _move_a_parameter,
+        _replace_a_parameter,
+        _halve_the_learning_rate,
+        _reload_the_optimizer,
+        _switch_to_eval,
+        _add_a_param_group,
+    ],
+)
+def test_a_change_of_state_between_steps_is_seen(backend, change):
+    pair = _Pair(backend)
+    batches = [pair.batch() for _ in range(12)]
+    for i in range(6):
+        pair.call(*batches[i], seed=i)
+    assert _replays(pair.step) >= 1
+    change(pair)
+    before = _fresh_runs(pair.step)
+    pair.call(*batches[6], seed=6)
+    assert _fresh_runs(pair.step) == before + 1  # the old graph was not replayed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the budget warning, where a change needs more graphs than allowed
+        for i in range(7, 12):
+            pair.call(*batches[i], seed=i)
+
+
+def _fresh_runs(step) -> int:
+    """Calls that captured the step or ran it without its graph."""
+    report = explain(step)
+    return report.captures + sum(report.plain_calls.values())
+
+
+def test_a_new_batch_shape_warms_up_and_captures_again(backend):
+    pair = _Pair(backend)
+    for i in range(5):
+        pair.call(*pair.batch(4), seed=i)
+    for i in range(5):
+        pair.call(*pair.batch(6), seed=10 + i)
+    report = explain(pair.step)
+    assert report.captures == 2
+    assert report.replays >= 2
+
+
+def test_past_max_graphs_the_step_runs_without_its_graph(backend):
+    pair = _Pair(backend, max_graphs=1)
+    for i in range(4):
+        pair.call(*pair.batch(4), seed=i)
+    with pytest.warns(UserWarning, match="max_graphs=1"):
+        _calls(pair, 4, rows=6, first_seed=10)
+    report = explain(pair.step)
+    assert report.captures == 1
+    assert report.plain_calls["not captured"] >= 1
+
+
+# -- what is not captured ----------------------------------------------------------------------------------------------
+
+
+def test_a_step_that_reads_a_value_on_the_host_is_not_captured(backend):
+    pair = _Pair(backend)
+    inner = pair.steps[0]
+
+    def step(x, y):
+        loss = inner(x, y)
+        if loss.item() > 1e9:  # a host sync: a graph cannot replay this decision
+            raise AssertionError
+        return loss
+
+    pair.step = graph_step(step, modules=[pair.models[0]], optimizers=[pair.opts[0]], backend=backend.name)
+    with pytest.warns(UserWarning, match="reads a device value on the host"):
+        _calls(pair, 5)
+    report = explain(pair.step)
+    assert report.captures == 0
+    assert "reads a device value" in report.not_captured
+
+
+def test_strict_mode_raises_instead(backend):
+    pair = _Pair(backend, strict=True)
+    inner = pair.steps[0]
+    pair.step = graph_step(
+        lambda x, y: (inner(x, y), float(inner(x, y))),
+        modules=[pair.models[0]],
+        optimizers=[pair.opts[0]],
+        backend=backend.name,
+        strict=True,
+    )
+    with pytest.raises(StrictModeError, match="not captured"):
+        for _ in range(4):
+            pair.step(*pair.batch())
+
+
+def test_a_python_value_returned_keeps_the_step_from_being_captured(backend):
+    pair = _Pair(backend)
+    inner = pair.steps[0]
+    pair.steps = [lambda x, y: (inner(x, y), 3), pair.steps[1]]
+    pair.step = graph_step(pair.steps[0], modules=[pair.models[0]], optimizers=[pair.opts[0]], backend=backend.name)
+    reference = pair.steps[1]
+    pair.steps[1] = lambda x, y: (reference(x, y), 3)
+    with pytest.warns(UserWarning, match="returns a int"):
+        _calls(pair, 5)
+    assert explain(pair.step).replays == 0
+
+
+def test_an_argument_that_requires_grad_is_not_captured(backend):
+    pair = _Pair(backend)
+    with pytest.warns(UserWarning, match="requires grad"):
+        _calls(pair, 4, inputs_require_grad=True)
+    assert explain(pair.step).replays == 0
+
+
+@pytest.mark.cuda
+def test_a_non_capturable_optimizer_is_not_captured():
+    model = mlp(2, 16).cuda()
+    jm = thunder.jit(model)
+    opt = torch.optim.AdamW(model.parameters(), capturable=False)
+
+    def step(x):
+        opt.zero_grad()
+        jm(x).sum().backward()
+        opt.step()
+
+    stepped = graph_step(step, modules=[model], optimizers=[opt])
+    with pytest.warns(UserWarning, match="CPU tensor"):
+        [stepped(torch.randn(4, 16, device="cuda")) for _ in range(4)]
+    assert explain(stepped).captures == 0
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------------
+
+
+def test_bad_options_raise():
+    with pytest.raises(TypeError, match="modules"):
+        graph_step(lambda: None, modules=[object()])
+    with pytest.raises(TypeError, match="optimizers"):
+        graph_step(lambda: None, optimizers=[object()])
+    with pytest.raises(ValueError, match="max_graphs"):
+        graph_step(lambda: None, max_graphs=0)
+    with pytest.raises(ValueError, match="warmup_calls"):
+        graph_step(lambda: None, warmup_calls=0)
+    with pytest.raises(ValueError, match="backend"):
+        graph_step(lambda: None, backend="tpu")
+    assert cudagraphex.graph_step is graph_step
