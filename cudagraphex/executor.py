@@ -30,6 +30,7 @@ from thunder.executors.passes import (
 from thunder.extend import (
     Executor,
     FusionExecutor,
+    OperatorExecutor,
     get_always_executors,
     register_executor,
 )
@@ -167,14 +168,15 @@ class CUDAGraphExecutor(FusionExecutor):
         graphs = self._function_graphs()
         is_backward = TraceTag.BACKWARD in trace.tags
         earlier_outputs = graphs.forward_graph_outputs if is_backward else frozenset()
+        inner = self._inner_executors()
         plan = plan_regions(
             trace,
             self._reason_of,
             min_size=self.options.min_region_size,
             declared_static=declared,
             graph_outputs=earlier_outputs,
+            kept_whole=_kept_whole_by(inner),
         )
-        inner = self._inner_executors()
         regions: list[GraphedRegion] = []
         graphs.traces.append((_label(trace), plan.breaks, regions))
         if not plan.regions:
@@ -352,6 +354,14 @@ def _declared_static(trace: TraceCtx, num_static_inputs: int | None) -> frozense
     if num_static_inputs > len(saved):
         raise ValueError(f"num_static_inputs={num_static_inputs} but the backward trace saves {len(saved)} tensors")
     return frozenset(p.name for p in saved[:num_static_inputs])
+
+
+def _kept_whole_by(inner: Sequence[Executor]) -> Callable[[BoundSymbol], bool]:
+    """Whether the executors in ``inner`` execute a bound symbol as it is, rather than its decomposition: an operator
+    executor that implements it, or a fusion executor that fuses it."""
+    operators = [ex for ex in inner if isinstance(ex, OperatorExecutor)]
+    fused = _fused_by(inner)
+    return lambda bsym: any(ex.can_execute(bsym) for ex in operators) or fused(bsym)
 
 
 def _fused_by(inner: Sequence[Executor]) -> Callable[[BoundSymbol], bool]:

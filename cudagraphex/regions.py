@@ -3,7 +3,9 @@
 A region is a longest run of consecutive graph-safe bound symbols on one device and in one phase (forward or
 backward). Runs keep the trace's order, so capturing never reorders side effects or random draws. ``del`` and comments
 never enter a graph but do not split a run: they move behind the graph. Every other symbol left out records a
-:class:`Break` with its reason and the user's source line.
+:class:`Break` with its reason and the user's source line. A symbol that takes a tensor only for its metadata
+(``expand_as(t, x)``) enters a region as its decomposition where the region's lowering would decompose it, so that the
+graph does not take that tensor (Thunder would save it for backward).
 
 Two hazards can only be seen once runs exist, so forming regions iterates until none is left:
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 import thunder.torch as ltorch
 from thunder.core import prims
 from thunder.core.proxies import Proxy, TensorProxy
-from thunder.core.symbol import BoundSymbol
+from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.executors.torchex import ex as torch_executor
 
@@ -203,6 +205,62 @@ def _may_alias_input(bsym: BoundSymbol) -> bool:
     )
 
 
+def _reads_data(bsym: BoundSymbol) -> frozenset[str]:
+    """Names of the tensors whose values ``bsym`` reads: the tensor arguments of the ops its decomposition runs, other
+    than shape queries. An executor's op, a fusion and a symbol without decomposition read all their arguments."""
+    if bsym.sym.id == prims.PrimIDs.SHAPE:
+        return frozenset()
+    if bsym.sym.executor is not None or bsym.sym.is_prim or bsym.sym.python_impl is not None or not bsym.subsymbols:
+        return frozenset(p.name for p in bsym.flat_proxy_args if isinstance(p, TensorProxy))
+    produced: set[str] = set()
+    read: set[str] = set()
+    for sub in bsym.subsymbols:
+        read |= _reads_data(sub) - produced
+        produced.update(p.name for p in sub.flat_proxy_outs)
+    return frozenset(read)
+
+
+def _decompose_metadata_reads(
+    bsyms: Iterable[BoundSymbol], kept_whole: Callable[[BoundSymbol], bool]
+) -> list[BoundSymbol]:
+    """``bsyms`` with each torch-level symbol that takes a tensor only for its metadata (``expand_as(t, x)``) and that
+    no executor lowering the region keeps whole (``kept_whole``) replaced by its decomposition, as Thunder lowers it.
+
+    A graph's inputs are what its members take, and Thunder saves every input of a backward graph for backward:
+    a symbol kept whole for the lowering would take ``x`` from the caller, where Thunder without graphs saves nothing,
+    and autograd would fail the backward once the caller writes into ``x`` in place. Symbols that write in place stay
+    whole, so that a planned in-place write keeps its identity.
+    """
+    out: list[BoundSymbol] = []
+    for bsym in bsyms:
+        args = {p.name for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)}
+        if (
+            bsym.sym.executor is None
+            and not bsym.sym.is_prim
+            and bsym.sym.python_impl is None
+            and bsym.subsymbols
+            and not _writes(bsym)
+            and args - _reads_data(bsym)
+            and _decomposition_produces_outputs(bsym)
+            and not kept_whole(bsym)
+        ):
+            subs = list(bsym.subsymbols)
+            if BoundSymbolTag.BACKWARD in bsym.tags:  # as Thunder tags the symbols it decomposes a backward one into
+                subs = [sub.from_bsym(tags=sub.tags | {BoundSymbolTag.BACKWARD}) for sub in subs]
+            out.extend(_decompose_metadata_reads(subs, kept_whole))
+        else:
+            out.append(bsym)
+    return out
+
+
+def _decomposition_produces_outputs(bsym: BoundSymbol) -> bool:
+    """Whether every output of ``bsym`` is produced by its subsymbols or is one of its arguments (a decomposition may
+    return an argument as itself)."""
+    available = {p.name for p in bsym.flat_proxy_args}
+    available.update(p.name for sub in bsym.subsymbols for p in sub.flat_proxy_outs)
+    return all(p.name in available for p in bsym.flat_proxy_outs)
+
+
 def count_ops(bsyms: Iterable[BoundSymbol]) -> int:
     """The ops a run of symbols executes: a fusion (another executor's) counts as the ops it fuses."""
     return sum((len(b.subsymbols) or 1) if b.sym.is_fusion else 1 for b in bsyms)
@@ -262,8 +320,10 @@ class _Planner:
         min_size: int,
         declared_static: Collection[str],
         graph_outputs: Collection[str],
+        kept_whole: Callable[[BoundSymbol], bool],
     ):
         self.trace = trace
+        self.kept_whole = kept_whole
         self.bsyms = list(trace.bound_symbols)
         self.reason_of = reason_of
         self.min_size = min_size
@@ -281,6 +341,8 @@ class _Planner:
                     self.consumers[p.name].append(i)
         self.trace_outputs = {p.name for p in _flat_proxies(trace.output)}
         _, self.aliases = input_aliases(self.bsyms, _Everything())
+        #: For each region member (by ``id``), the ``id`` of the symbol of the trace that it is or decomposes.
+        self.origin: dict[int, int] = {}
 
     def plan(self) -> Plan:
         extra: dict[int, str] = {}
@@ -290,7 +352,8 @@ class _Planner:
             if not hazards:
                 self._mark_returned(plan)
                 return plan
-            extra.update(hazards)
+            # A hazard of a member that decomposes a symbol of the trace keeps that symbol out.
+            extra.update({self.origin.get(key, key): why for key, why in hazards.items()})
 
     def _mark_returned(self, plan: Plan) -> None:
         """Sets each region's ``returned``: its outputs that reach the trace's return through symbols outside graphs.
@@ -363,9 +426,14 @@ class _Planner:
 
     def _spec(self, ops: list[tuple[int, BoundSymbol]]) -> RegionSpec:
         last = ops[-1][0]
+        members: list[BoundSymbol] = []
+        for _, b in ops:
+            for member in _decompose_metadata_reads([b], self.kept_whole):
+                self.origin[id(member)] = id(b)
+                members.append(member)
         produced: dict[str, TensorProxy] = {}
         inputs: dict[str, TensorProxy] = {}
-        for _, b in ops:
+        for b in members:
             for p in b.flat_proxy_args:
                 if p.name not in produced and p.name not in inputs:
                     inputs[p.name] = p
@@ -376,10 +444,10 @@ class _Planner:
             for name, p in produced.items()
             if name in self.trace_outputs or any(c > last for c in self.consumers.get(name, ()))
         ]
-        written, aliases = input_aliases([b for _, b in ops], inputs)
+        written, aliases = input_aliases(members, inputs)
         mutated = set().union(*written.values())
         return RegionSpec(
-            bound_symbols=[b for _, b in ops],
+            bound_symbols=members,
             inputs=list(inputs.values()),
             outputs=outputs,
             device=_device_of(ops[0][1]) or next(filter(None, map(_device_of, (b for _, b in ops))), "cpu"),
@@ -389,7 +457,7 @@ class _Planner:
             caller_inputs=frozenset(n for n in inputs if self._from_caller(n)),
             written=written,
             aliases={p.name: aliases[p.name] for p in outputs if aliases.get(p.name)},
-            rng_state_inputs=rng_state_inputs((b for _, b in ops), inputs),
+            rng_state_inputs=rng_state_inputs(members, inputs),
         )
 
     def _from_caller(self, name: str) -> bool:
@@ -504,6 +572,7 @@ def plan_regions(
     min_size: int,
     declared_static: Collection[str] = (),
     graph_outputs: Collection[str] = (),
+    kept_whole: Callable[[BoundSymbol], bool] = lambda bsym: False,
 ) -> Plan:
     """Cuts ``trace`` into regions.
 
@@ -513,8 +582,11 @@ def plan_regions(
         min_size: runs with fewer ops stay eager.
         declared_static: names of tensors declared static (legacy ``num_static_inputs``).
         graph_outputs: names of tensors that graphs of earlier traces of the same function produced.
+        kept_whole: whether the executors that lower the regions execute a bound symbol as it is. One they do not
+            execute that takes a tensor only for its metadata enters a region as its decomposition (see
+            :func:`_decompose_metadata_reads`).
     """
-    return _Planner(trace, reason_of, min_size, declared_static, graph_outputs).plan()
+    return _Planner(trace, reason_of, min_size, declared_static, graph_outputs, kept_whole).plan()
 
 
 def refused_rematerialization(

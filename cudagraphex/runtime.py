@@ -394,6 +394,14 @@ class _Instance:
         self.group_of: list[int] = []
         self.group_cdata: list[int] = []
         group_index: dict[int, int] = {}
+        # One tensor returned at several positions (``shallow_copy`` lowers to the tensor itself) is handed out as one
+        # tensor, as the region returns it: autograd then sums the cotangents of those positions in the same order.
+        first_position: dict[int, int] = {}
+        self.repeated = [
+            (i, first_position.setdefault(id(out), i))
+            for i, out in enumerate(outputs)
+            if out is not None and first_position.setdefault(id(out), i) != i
+        ]
         for out in outputs:
             if out is None:  # declared a tensor, None at run time (flash attention's cum_seq_q outside varlen)
                 self.borrowed.append(None)
@@ -550,6 +558,8 @@ class _Instance:
             out[i] = anchor.detach()
         if self.rebuilt:
             self._rebuild_outputs(out, args)
+        for i, first in self.repeated:
+            out[i] = out[first]
         return out
 
     def _rebuild_outputs(self, out: list[torch.Tensor | None], args: Sequence[torch.Tensor]) -> None:
@@ -795,7 +805,8 @@ class GraphedRegion:
         out = self.fn(*args)
         # An op may return its input as itself (contiguous): an anchor passed in must not be passed on to the caller.
         anchors = self.graphs.direct_anchors
-        return [o.detach() if id(o) in anchors else o for o in out]
+        detached: dict[int, torch.Tensor] = {}  # one tensor at several positions stays one tensor
+        return [detached.setdefault(id(o), o.detach()) if id(o) in anchors else o for o in out]
 
 
 def _version(t: torch.Tensor | None) -> int | None:

@@ -256,6 +256,26 @@ def test_saved_tensors_are_handed_out_as_their_anchors():
     assert {names[i] for i, _ in inst.unshared + inst.detached} == set(forward.info.returned)
 
 
+def scatter_rows(x, index):
+    return torch.zeros(6, 3, device=x.device).index_copy(0, index, x) * 2
+
+
+@pytest.mark.parametrize("position", ["first", "last"])
+def test_input_a_backward_reads_only_for_its_shape_is_not_saved(backend, position):
+    """The gradient of index_copy's source is ``expand_as(g, source)``, which reads only the source's shape: written in
+    place after the forward, the source does not fail the backward, as in eager and in Thunder without graphs."""
+    jf = jit(scatter_rows, backend.executor, position)
+    index = torch.tensor([0, 2, 5], device=backend.device)
+    for _ in range(4):
+        x = torch.randn(3, 3, device=backend.device, requires_grad=True)
+        out = jf(x, index)
+        with torch.no_grad():
+            x.zero_()
+        out.sum().backward()
+        torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+    assert replays(jf, backend.executor) >= 2
+
+
 @pytest.mark.parametrize("kept", [False, True], ids=["released", "kept_across_calls"])
 def test_outputs_sharing_a_storage_share_a_version_counter(backend, kept):
     """An in-place write to one returned output reaches autograd through another on its storage, as in eager, whether
@@ -399,6 +419,22 @@ def test_copies_of_outputs_of_several_dtypes_on_one_storage():
     version = rebuilt[1]._version
     rebuilt[0].add_(1)
     assert rebuilt[1]._version > version  # one version counter
+
+
+def test_one_tensor_returned_at_several_positions_is_handed_out_as_one(backend):
+    def f(x):
+        v = torch.maximum(x.detach(), x * 2)
+        w = v[:, :]  # Thunder returns v itself here
+        return w, v, w
+
+    x = torch.randn(4, 6, device=backend.device, requires_grad=True)
+    jf, reference = jit(f, backend.executor), thunder.jit(f)
+    for _ in range(4):
+        got, want = jf(x), reference(x)
+        # The same tensor at the same positions: autograd sums the cotangents of one tensor in one order.
+        assert [[g is h for h in got] for g in got] == [[w is v for v in want] for w in want]
+        torch.autograd.grad(got, x, [torch.ones_like(t) for t in got])
+    assert replays(jf, backend.executor) >= 2
 
 
 def test_an_output_alone_on_its_storage_is_handed_out_as_a_new_alias(backend):

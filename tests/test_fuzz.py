@@ -3,7 +3,7 @@
 See :mod:`tests.fuzzing`. A failure prints each failing seed with its program and call pattern; reproduce one with
 ``python -m tests.fuzzing --seed SEED`` (add ``--shrink`` for a smaller program with the same symptom). Differences
 where plain Thunder is the one that departs from eager PyTorch, and cudagraphex agrees with eager, are listed but not
-counted.
+counted; so are outputs that lose requires_grad as they do with Thunder's own torch.compile fusion executor.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from tests.fuzzing import run_batch
+from tests.fuzzing import Line, Mode, Program, Step, TensorSpec, check, run_batch
 
 #: Each program is compiled with and without cudagraphex, once per input signature, grad mode and train/eval mode it
 #: is called in; most programs use one or two of them, and each runs 3-5 calls in every one.
@@ -46,3 +46,29 @@ def test_fuzz_cuda():
     assert result.programs == CUDA_PROGRAMS
     if result.counted:
         pytest.fail(_report(result), pytrace=False)
+
+
+def test_requires_grad_that_thunder_loses_with_any_fusion_executor_is_excused():
+    """Thunder's grad transform finds no gradient through the in-place write into ``x0.t().contiguous().t()``; plain
+    Thunder's output requires grad only because Thunder moves that write into its backward. With its torch.compile
+    fusion executor the output loses requires_grad as with cudagraphex: excused, though eager disagrees."""
+    lines = [
+        Line("v0 = x0.t().contiguous().t()", "v0", frozenset({"x0"}), False, "view"),
+        Line("v1 = v0 * 2", "v1", frozenset({"v0"}), False, "binary"),
+        Line("v0.relu_()", None, frozenset({"v0"}), True, "inplace_intermediate"),
+    ]
+    program = Program(
+        seed=0,
+        module=False,
+        width=4,
+        batches=(2,),
+        tensors=[TensorSpec("x0", "BD", "x", requires_grad=True)],
+        lines=lines,
+        outputs=["v1"],
+        steps=[Step("call", Mode())],
+        position="first",
+        min_region_size=1,
+    )
+    (failure,) = check(program).failures
+    assert failure.symptom == "outN: requires_grad"
+    assert "fusion executor" in failure.excused
