@@ -49,14 +49,14 @@ def _fill(text: str, **kwargs: str) -> str:
 def _help_epilog() -> str:
     """The names ``--workloads``, ``--modes`` and ``--variants`` take, the expected failures and the exit status."""
     from benchmarks.suite import EXPECTED_FAILURES
-    from benchmarks.variants import VARIANTS
+    from benchmarks.variants import STEP_VARIANTS, VARIANTS
     from benchmarks.workloads import MODES, WORKLOADS
 
     def paragraph(text: str, indent: str = "") -> str:
         return _fill(text, initial_indent=indent, subsequent_indent=indent + "  ")
 
     parts = [paragraph(f"workloads: {', '.join(WORKLOADS)}"), paragraph(f"modes: {', '.join(MODES)}")]
-    parts.append(paragraph(f"variants: {', '.join(VARIANTS)}"))
+    parts.append(paragraph(f"variants: {', '.join(VARIANTS)} (train_step only: {', '.join(STEP_VARIANTS)})"))
     parts.append("expected failures (recorded with their reason; they do not fail the job):")
     parts += [
         paragraph(f"{f.workload} / {f.mode} / {f.variant}, an error with {f.error!r}: {f.reason}", "  ")
@@ -336,8 +336,9 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
             "call, and the slow path's dispatch, captures and eager runs; median_us - checks_us is the same graphs "
             "replayed with no checks",
             "peak_reserved_bytes": "the same for torch.cuda.max_memory_reserved (graph pools keep freed blocks there)",
-            "correct": "outputs (and gradients in training modes) within tolerance of eager: relative error "
-            "(Frobenius) <= 1e-3 in fp32, 5e-2 in bf16",
+            "correct": "outputs (and gradients in train_bwd; in train_step, the loss, AdamW's first moments and the "
+            "loss after one step from the case's start) within tolerance of eager: relative error (Frobenius) <= 1e-3 "
+            "in fp32, 5e-2 in bf16",
             "kernel-floor": "GPU time (kernels, memcpy, memset) of the eager call from torch.profiler, per call",
             "run": "the start time of the run (an entry of meta.runs) that measured the record",
         },

@@ -97,6 +97,27 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+class _LogitsOrLoss(nn.Module):
+    """Calls a nanoGPT whose ``forward(idx, targets)`` returns ``(logits, loss)``; returns the loss when given
+    targets, else the logits."""
+
+    def __init__(self, gpt: nn.Module):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits, loss = self.gpt(idx, targets)
+        return logits if targets is None else loss
+
+
+def thunder_nanogpt(config) -> nn.Module:
+    """Thunder's test copy of nanoGPT (``thunder.tests.nanogpt_model.GPT`` with its ``GPTConfig`` ``config``), called
+    as :class:`GPT` is: ``forward(idx)`` returns the logits, ``forward(idx, targets)`` the cross-entropy loss."""
+    from thunder.tests.nanogpt_model import GPT as ThunderGPT
+
+    return _LogitsOrLoss(ThunderGPT(config))
+
+
 def conv_bn(channels: int = 8) -> nn.Sequential:
     """A small conv + BatchNorm + ReLU network (BatchNorm updates its running statistics in training mode)."""
     return nn.Sequential(

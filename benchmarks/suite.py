@@ -7,14 +7,16 @@ variant, mode after mode:
 
 * ``setup_s``: wall time from making the case through its first 3 calls (compilation, warm-up, graph capture; a
   compiled object is reused across modes, so the modes after the first pay less of it).
-* ``correct``: one more call, compared with eager's results (outputs; gradients in training modes). Relative error
-  (norm of the difference / norm of eager's) at most 1e-3 in fp32, 5e-2 in bf16 or fp16.
+* ``correct``: one more call (two in ``train_step``), compared with eager's results (the output; the gradients in
+  ``train_bwd``; in ``train_step``, from the case's starting state: the loss, the optimizer's first moments after one
+  step, and the loss after it, see ``benchmarks.variants``). Relative error (norm of the difference / norm of eager's) at most 1e-3 in
+  fp32, 5e-2 in bf16 or fp16.
 * ``peak_mem_bytes`` / ``peak_reserved_bytes``: the peak of ``torch.cuda.max_memory_allocated`` /
   ``max_memory_reserved`` over the setup and a few more calls, minus what was allocated / reserved before the variant
-  built its model: the model, its gradients, activations, workspaces and graph pools (and what the compiled object
-  keeps from the modes measured before), and nothing of the other variants. (With interleaved timing, cuBLAS's
-  workspaces are released before the workload's first variant only, so a variant's peak leaves out a workspace that
-  a variant set up before it allocated.)
+  built its model: the model, its gradients and optimizer state, activations, workspaces and graph pools (and what
+  the compiled object keeps from the modes measured before), and nothing of the other variants. (With interleaved
+  timing, cuBLAS's workspaces are released before the workload's first variant only, so a variant's peak leaves out a
+  workspace that a variant set up before it allocated.)
 * ``median_us``: timed after every variant of the workload has been set up and checked, mode by mode, in rounds:
   each round times one block of calls of every variant, in the order they were set up, so that this VM's drift
   (±50% between runs, minutes apart) affects all variants alike. A block is long enough to last ``rep_target_s``
@@ -58,10 +60,12 @@ from benchmarks.variants import (
     VARIANTS,
     Case,
     Compiled,
+    GraphStep,
     ManualGraph,
     device_time_per_call_us,
     make_variant,
     module_case,
+    variant_modes,
 )
 from benchmarks.workloads import WORKLOADS, Setup, Workload
 
@@ -92,14 +96,23 @@ TASK_ORDER = (
     ("torch.compile(reduce-overhead)",),  # first: the module docstring says why
     ("eager", "manual-graph", "kernel-floor"),
     ("thunder+cudagraphex", "thunder+CUDAGraphTransform"),
+    ("thunder+cudagraphex-step", "thunder+wholestep(unsafe)"),
     ("thunder", "thunder+cudagraphex(last)"),
     ("thunder+cudagraphex+PruneParameterChecks", "torch.compile"),
-    ("thunder+torchcompile+cudagraphex",),
+    ("thunder+torchcompile+cudagraphex", "thunder+torchcompile+cudagraphex-step"),
 )
 
 #: Rough seconds a task takes on an H200 host (compilation dominates), for the budget. Per workload: the cost of a
-#: plain Thunder variant over all its modes; per variant: a multiple of it. The run rescales these by what it sees.
-_WORKLOAD_COST_S = {"mlp16x256-b8": 6, "nanogpt6-d256-t32-b1": 18, "llama-decode": 10, "gpt12-d1024-b8-t512": 36}
+#: plain Thunder variant over all its modes; per variant: a multiple of it (the whole-step variants compile and run
+#: the training step only). The run rescales these by what it sees.
+_WORKLOAD_COST_S = {
+    "mlp16x256-b8": 6,
+    "nanogpt6-d256-t32-b1": 18,
+    "nanogpt-thunder-tests": 14,
+    "llama-decode": 10,
+    "gpt2-124m": 36,
+    "gpt12-d1024-b8-t512": 36,
+}
 _VARIANT_COST = {
     "eager": 0.25,
     "manual-graph": 0.3,
@@ -112,6 +125,9 @@ _VARIANT_COST = {
     "torch.compile": 1.5,
     "torch.compile(reduce-overhead)": 1.5,
     "thunder+torchcompile+cudagraphex": 2.0,
+    "thunder+wholestep(unsafe)": 0.6,
+    "thunder+cudagraphex-step": 0.7,
+    "thunder+torchcompile+cudagraphex-step": 1.2,
 }
 MICRO_COST_S = 15.0
 #: Variants timed right after their setup even in an interleaved run: timing needs a second case of the compiled
@@ -412,14 +428,15 @@ class Suite:
 
     # -- what runs -------------------------------------------------------------------------------------------------
 
-    def modes_of(self, workload: Workload) -> tuple[str, ...]:
-        return tuple(m for m in self.modes if m in workload.modes)
+    def modes_of(self, workload: Workload, variant: str | None = None) -> tuple[str, ...]:
+        """The selected modes ``workload`` has, and of those, if ``variant`` is given, the ones it runs."""
+        runs = variant_modes(variant) if variant else workload.modes
+        return tuple(m for m in self.modes if m in workload.modes and m in runs)
 
     def num_measurements(self) -> int:
         """How many (workload, variant, mode) results the run will report (for a progress bar)."""
-        per_variant = sum(len(self.modes_of(w)) for w in self.workloads)
-        micro = MICRO_MEASUREMENTS if self.micro else 0
-        return per_variant * len(self.variants) + micro
+        tasks = sum(len(self.modes_of(w, v)) for w in self.workloads for v in self.variants)
+        return tasks + (MICRO_MEASUREMENTS if self.micro else 0)
 
     def tasks(self) -> Iterable[tuple[str, Workload | None]]:
         """What runs, in order: ``("micro", None)``, then per workload its variants in ``TASK_ORDER``, each followed by
@@ -431,7 +448,7 @@ class Suite:
                 continue
             for tier in TASK_ORDER:
                 for variant in tier:
-                    if variant in self.variants:
+                    if variant in self.variants and self.modes_of(workload, variant):
                         yield variant, workload
             yield "done", workload
 
@@ -465,8 +482,8 @@ class Suite:
             self.progress(f"{workload.name} {variant} {mode}")
 
     def _run_task(self, workload: Workload, variant: str) -> None:
-        """Measures ``variant`` on ``workload`` in every mode (the module docstring)."""
-        modes = self.modes_of(workload)
+        """Measures ``variant`` on ``workload`` in every mode it runs (the module docstring)."""
+        modes = self.modes_of(workload, variant)
         if self.broken:
             self._skip(workload, variant, modes, f"skipped: the CUDA context failed earlier ({self.broken})")
             return
@@ -506,13 +523,13 @@ class Suite:
         try:
             compiled = make_variant(variant, setup.fresh_model, self.graph_executor)
         except Exception as e:  # noqa: BLE001 - recorded; the run goes on
-            records = [Record(workload.name, mode, variant) for mode in prepared.modes]
+            records = [Record(workload.name, mode, variant) for mode in self.modes_of(workload, variant)]
             self._failed(records, e, f"{workload.name} / {variant}: compiling it")
             for record in records:
                 self.records.append(record)
                 self.progress(f"{workload.name} {variant} {record.mode}")
             return
-        for mode in prepared.modes:
+        for mode in self.modes_of(workload, variant):
             record = Record(workload.name, mode, variant)
             if self.broken or self.budget.overrun():
                 record.error = (
@@ -578,6 +595,8 @@ class Suite:
                 notes.append("inductor skipped CUDA graphs for some graph (torch._dynamo counters: cudagraph_skips)")
             if record.variant in GRAPH_VARIANTS:
                 notes.append(_cudagraphex_summary(compiled.fn))
+            elif isinstance(compiled, GraphStep):
+                notes.append(_cudagraphex_summary(compiled.step))
         except Exception as e:  # noqa: BLE001 - recorded; the run goes on
             self._failed([record], e, f"{record.workload} / {record.variant} / {record.mode}")
         finally:
@@ -601,9 +620,10 @@ class Suite:
         records = {(r.mode, r.variant): r for r in self.records if r.workload == workload.name}
         start = time.monotonic()
         for mode in self.modes_of(workload):
+            running = [(variant, compiled) for variant, compiled in self._compiled if (mode, variant) in records]
             timed = [
                 (variant, compiled, records[(mode, variant)])
-                for variant, compiled in self._compiled
+                for variant, compiled in running
                 if variant != "kernel-floor"
                 and variant not in TIMED_AT_SETUP
                 and records[(mode, variant)].error is None
@@ -635,7 +655,7 @@ class Suite:
                     with contextlib.suppress(Exception):
                         case.close()
                 cases.clear()
-            for variant, _ in self._compiled:
+            for variant, _ in running:
                 self.progress(f"{workload.name} {variant} {mode}")
         took = time.monotonic() - start
         self.seconds_per_workload[workload.name] += took
@@ -742,12 +762,15 @@ def _cudagraph_skips() -> int:
 
 
 def _cudagraphex_summary(fn) -> str:
+    """One line of ``cudagraphex.explain(fn)``: of a Thunder function's regions and graphs, or a step graph's report."""
     from cudagraphex import explain
 
     try:
         report = explain(fn)
     except Exception as e:  # noqa: BLE001 - a diagnostic only
         return f"explain() failed: {short_error(e)}"
+    if not hasattr(report, "regions"):  # a step graph's report
+        return "; ".join(line.strip() for line in str(report).splitlines())
     regions = report.regions
     replays = sum(r.replays for r in regions)
     text = f"cudagraphex: {len(regions)} region(s), {report.num_graphs} graph(s), {replays} replay(s)"

@@ -1,9 +1,9 @@
 """The variants: how each one compiles a model, and how it runs one call of each mode.
 
 A variant turns a model into a :class:`Case` per mode. ``Case.call`` runs one call and drops what it returns (a
-caller that keeps outputs would make graph runtimes copy them); ``Case.collect`` runs one call and returns copies of
-what the correctness check compares with eager: the output for ``inference`` and ``train_fwd``, the parameter
-gradients for ``train_bwd``, the loss or output followed by the gradients for ``train_step``.
+caller that keeps outputs would make graph runtimes copy them); ``Case.collect`` runs one call (two in
+``train_step``) and returns copies of what the correctness check compares with eager: the output for ``inference`` and
+``train_fwd``, the parameter gradients for ``train_bwd``; for ``train_step``, see below.
 
 Per-mode work is the same for every variant:
 
@@ -12,7 +12,12 @@ Per-mode work is the same for every variant:
 * ``train_bwd``: the forward runs once when the case is made; each call is
   ``torch.autograd.grad(out, params, grad_out, retain_graph=True)``, which returns the gradients instead of
   accumulating them into ``.grad``, so every call does the same work.
-* ``train_step``: ``out = model(*args)``, ``out.backward(grad_out)``, ``model.zero_grad(set_to_none=True)``.
+* ``train_step``: ``out = model(*args)``, ``out.backward(grad_out)``, ``opt.step()``,
+  ``opt.zero_grad(set_to_none=True)``, with the case's own AdamW (:func:`make_optimizer`, :func:`train_step`).
+  ``collect`` starts from the state the case started from (:meth:`_StepStart.collect`), so that every variant
+  compares the same step: the output, the gradients (as AdamW's first moments) and the output after the step.
+
+The whole-step variants (:data:`STEP_VARIANTS`) run ``train_step`` only (:func:`variant_modes`).
 
 ``manual-graph`` captures by hand, as the PyTorch CUDA-graph documentation shows (warm-up on a side stream, then
 ``torch.cuda.graph``):
@@ -22,9 +27,16 @@ Per-mode work is the same for every variant:
   graph and joins them to autograd; a call replays the forward graph through that autograd function.
 * ``train_bwd``: the forward runs once, eagerly; ``torch.autograd.grad(out, params, grad_out, retain_graph=True)`` is
   captured, and a call replays it (the gradients land in the graph's output buffers).
-* ``train_step``: forward and backward in one graph ("whole-network capture"). The gradients are None when it is
-  captured, so the captured backward allocates them from the graph's pool and every replay writes them afresh: a
-  replay does what forward + backward + ``zero_grad(set_to_none=True)`` does, and leaves the gradients readable.
+* ``train_step``: the whole step, optimizer included, in one graph ("whole-network capture", :func:`_graphed_step_case`).
+  The gradients are None when it is captured, so the captured backward allocates them from the graph's pool, the
+  captured ``opt.step()`` reads them there, and the captured ``zero_grad`` only drops Python references: every replay
+  writes the gradients afresh and updates the parameters and the optimizer state in place, which is what a call of
+  the other variants does.
+
+``thunder+wholestep(unsafe)`` captures the same step the same way, on ``thunder.jit(model)``: nothing checks that a
+replay is still valid (no prologue runs), so it is the floor of whole-step capture of a Thunder step.
+``thunder+cudagraphex-step`` and ``thunder+torchcompile+cudagraphex-step`` run the step through
+``cudagraphex.graph_step``, which captures it whole after warm-up calls and replays it behind guards.
 
 ``kernel-floor`` is not a way to run the model: the runner profiles the eager case and sums its GPU time.
 """
@@ -37,17 +49,25 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from benchmarks.workloads import MODES
+
 __all__ = [
     "GRAPH_VARIANTS",
+    "STEP_VARIANTS",
     "VARIANTS",
     "Case",
     "Compiled",
     "CompiledPerPhase",
+    "GraphStep",
     "ManualGraph",
+    "WholeStep",
     "compile_variant",
     "device_time_per_call_us",
+    "make_optimizer",
     "make_variant",
     "module_case",
+    "train_step",
+    "variant_modes",
 ]
 
 VARIANTS = (
@@ -61,9 +81,15 @@ VARIANTS = (
     "torch.compile",
     "torch.compile(reduce-overhead)",
     "manual-graph",
+    "thunder+wholestep(unsafe)",
+    "thunder+cudagraphex-step",
+    "thunder+torchcompile+cudagraphex-step",
     "kernel-floor",
 )
-#: Variants that use cudagraphex (their notes report its regions and graphs).
+#: Variants that capture the whole training step: they run ``train_step`` only.
+STEP_VARIANTS = ("thunder+wholestep(unsafe)", "thunder+cudagraphex-step", "thunder+torchcompile+cudagraphex-step")
+#: Variants whose calls go through cudagraphex's regions (their notes report its regions and graphs; their times, the
+#: share spent in region calls). The ``-step`` variants replay one step graph instead.
 GRAPH_VARIANTS = (
     "thunder+cudagraphex",
     "thunder+cudagraphex(last)",
@@ -74,6 +100,17 @@ GRAPH_VARIANTS = (
 
 def _no_op() -> None:
     return None
+
+
+def variant_modes(name: str) -> tuple[str, ...]:
+    """The modes variant ``name`` runs (where a workload has them): ``train_step`` for a whole-step variant, every
+    mode otherwise."""
+    return ("train_step",) if name in STEP_VARIANTS else MODES
+
+
+def _only_train_step(mode: str) -> None:
+    if mode != "train_step":
+        raise ValueError(f"mode {mode!r} is not applicable: this variant captures the whole train_step only")
 
 
 def _backward_only_case(out: torch.Tensor, params: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
@@ -151,21 +188,86 @@ def module_case(
         return _backward_only_case(fn(*args), params, grad_out)
 
     if mode == "train_step":
-
-        def step(keep: bool) -> list[torch.Tensor | None]:
-            before_call()
-            out = fn(*args)
-            out.backward(grad_out)
-            kept = [_copy(out), *(_copy(p.grad) for p in params)] if keep else []
-            module.zero_grad(set_to_none=True)
-            return kept
-
-        def call() -> None:
-            step(False)
-
-        return Case(call, lambda: step(True))
+        opt = make_optimizer(params)
+        step = train_step(fn, opt, grad_out, before_call)
+        return _StepStart(params, opt).case(lambda: step(*args))
 
     raise ValueError(f"unknown mode {mode!r}")
+
+
+def make_optimizer(params: Sequence[torch.nn.Parameter]) -> torch.optim.AdamW:
+    """The optimizer of a ``train_step`` case: ``AdamW(params, lr=1e-3, capturable=True, foreach=True)`` on CUDA
+    (capturable: its step counter stays on the device, which graph capture needs). AdamW is capturable on CUDA only; on
+    the CPU (the suite's own tests) it is the fused AdamW, whose step counter is a tensor too, so that there as well a
+    step reads no value back to the host."""
+    if any(p.is_cuda for p in params):
+        return torch.optim.AdamW(params, lr=1e-3, capturable=True, foreach=True)
+    return torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+
+def train_step(
+    fn: Callable[..., torch.Tensor],
+    opt: torch.optim.Optimizer,
+    grad_out: torch.Tensor | None,
+    before_call: Callable[[], None] = _no_op,
+) -> Callable[..., torch.Tensor]:
+    """The ``train_step`` call of every variant: ``step(*args)`` runs ``before_call()``, ``out = fn(*args)``,
+    ``out.backward(grad_out)``, ``opt.step()``, ``opt.zero_grad(set_to_none=True)``, and returns ``out``.
+
+    The gradients are None between calls, so each call's backward allocates them afresh; whole-step graphs capture
+    this same function (the captured ``zero_grad`` drops the references to gradients the graph's pool holds).
+    """
+
+    def train_step_call(*args: torch.Tensor) -> torch.Tensor:
+        before_call()
+        out = fn(*args)
+        out.backward(grad_out)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out
+
+    return train_step_call
+
+
+class _StepStart:
+    """The state a ``train_step`` case starts from: its parameters (copied to the host when the case is made) and its
+    optimizer's state, all zeros (a fresh AdamW's state, once it exists)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], opt: torch.optim.Optimizer) -> None:
+        self.params = params
+        self.opt = opt
+        # On the host: the copy would otherwise count in the variant's peak GPU memory.
+        self.values = [p.detach().to("cpu", copy=True) for p in params]
+
+    def collect(self, step: Callable[[], torch.Tensor]) -> list[torch.Tensor | None]:
+        """Puts the parameters and the optimizer state back to the start, in place (graphs keep their addresses), runs
+        ``step`` twice, and returns copies of: the first call's output; every parameter's first moment after it
+        (``exp_avg``, which one step from zero state makes (1 - beta1) x the gradient); the second call's output,
+        computed with the parameters the first call's optimizer step made.
+
+        The parameters are not compared directly: AdamW's first update is about ``lr`` in every element whatever its
+        gradient (``lr * g / (|g| + eps)``), so where the gradient is rounding noise (an attention's key bias, whose
+        gradient is zero in exact arithmetic) variants differ by up to ``2 * lr``; the output after the step does not
+        depend on those elements."""
+        with torch.no_grad():
+            for p, value in zip(self.params, self.values, strict=True):
+                p.copy_(value)
+            for state in self.opt.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        value.zero_()
+        first = _copy(step())
+        state = self.opt.state
+        moments = [_copy(state[p]["exp_avg"]) if p in state else None for p in self.params]
+        return [first, *moments, _copy(step())]
+
+    def case(self, step: Callable[[], torch.Tensor], close: Callable[[], None] = _no_op) -> Case:
+        """The case whose calls run ``step`` and whose :meth:`collect` starts from this state."""
+
+        def call() -> None:
+            step()
+
+        return Case(call, lambda: self.collect(step), close)
 
 
 class Compiled:
@@ -243,6 +345,16 @@ def compile_variant(name: str, module: nn.Module, graph_executor) -> Compiled:
 
     if name == "eager":
         return Compiled(module, module)
+    if name == "thunder+wholestep(unsafe)":
+        return WholeStep(module, thunder.jit(module))
+    if name in STEP_VARIANTS:
+        import cudagraphex
+
+        # The whole-step API is newer than the executor: a cudagraphex without it fails this variant, not the run.
+        if not hasattr(cudagraphex, "graph_step"):
+            raise NotImplementedError("this cudagraphex has no graph_step (the whole-step API)")
+        options = _thunder_options(name.removesuffix("-step"), graph_executor)
+        return GraphStep(module, thunder.jit(module, **options))
     if name.startswith("thunder"):
         return CompiledPerPhase(module, lambda m: thunder.jit(m, **_thunder_options(name, graph_executor)))
     if name == "torch.compile":
@@ -253,13 +365,7 @@ def compile_variant(name: str, module: nn.Module, graph_executor) -> Compiled:
     raise ValueError(f"variant {name!r} is not a compiled variant")
 
 
-def _capture(
-    fn: Callable[[], object],
-    *,
-    no_grad: bool,
-    before_each: Callable[[], None] = _no_op,
-    stream: torch.cuda.Stream | None = None,
-):
+def _capture(fn: Callable[[], object], *, no_grad: bool, stream: torch.cuda.Stream | None = None):
     """Warms ``fn`` up on a side stream, then captures it into a new graph; returns (graph, what the capture returned).
 
     This is the recipe of the PyTorch CUDA-graph documentation: warm-up iterations on a side stream (lazy
@@ -269,14 +375,75 @@ def _capture(
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.set_grad_enabled(not no_grad):
         for _ in range(3):
-            before_each()
             fn()
     torch.cuda.current_stream().wait_stream(stream)
-    before_each()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream), torch.set_grad_enabled(not no_grad):
         out = fn()
     return graph, out
+
+
+def _graphed_step_case(
+    fn: Callable[..., torch.Tensor], module: nn.Module, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None
+) -> Case:
+    """``train_step`` captured by hand: :func:`train_step` of ``fn`` (``module`` or a compiled form of it) on input
+    buffers, warmed up and captured whole into one graph by :func:`_capture`; a call copies the inputs into the buffers
+    and replays. Nothing checks that a replay is still valid."""
+    params = _params(module)
+    opt = make_optimizer(params)
+    start = _StepStart(params, opt)
+    static_args = [a.clone() for a in args]
+    step = train_step(fn, opt, grad_out)
+    graph, out = _capture(lambda: step(*static_args), no_grad=False)
+    # A graph holds addresses, not tensors: the case keeps the parameters, the optimizer state and the input buffers.
+    kept: list[object] = [module, fn, opt, static_args]
+
+    def replay() -> torch.Tensor:
+        for static, a in zip(static_args, args, strict=True):
+            static.copy_(a)
+        graph.replay()
+        return out
+
+    return start.case(replay, kept.clear)
+
+
+class WholeStep(Compiled):
+    """``thunder+wholestep(unsafe)``: ``train_step`` of ``thunder.jit(model)`` captured by hand into one graph, as
+    manual-graph captures eager's (:func:`_graphed_step_case`). Every case captures a new graph of the same module."""
+
+    def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
+        _only_train_step(mode)
+        return _graphed_step_case(self.fn, self.module, args, grad_out)
+
+
+class GraphStep(Compiled):
+    """The ``-step`` variants: :func:`train_step` of a Thunder-compiled module run through ``cudagraphex.graph_step``,
+    which runs the first calls as they are, then captures the whole step once and replays it while its guards hold.
+    Every case makes a new step graph; :attr:`step` is that of the open case (for its report). On the CPU it uses
+    cudagraphex's emulating backend."""
+
+    def __init__(self, module: nn.Module, fn: Callable) -> None:
+        super().__init__(module, fn)
+        self.step = None
+
+    def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
+        import cudagraphex
+
+        _only_train_step(mode)
+        params = _params(self.module)
+        opt = make_optimizer(params)
+        backend = {} if any(p.is_cuda for p in params) else {"backend": "emulate"}
+        start = _StepStart(params, opt)
+        step = cudagraphex.graph_step(
+            train_step(self.fn, opt, grad_out), modules=[self.module], optimizers=[opt], **backend
+        )
+        self.step = step
+
+        def close() -> None:
+            if self.step is step:  # the graph's pool and the optimizer state go with the case
+                self.step = None
+
+        return start.case(lambda: step(*args), close)
 
 
 class ManualGraph:
@@ -287,6 +454,8 @@ class ManualGraph:
 
     def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
         module = self.fresh_model()
+        if mode == "train_step":
+            return _graphed_step_case(module, module, args, grad_out)
         params = _params(module)
         static_args = [a.clone() for a in args]
         # A graph holds addresses, not tensors: the case keeps the module (parameters), the input buffers and the
@@ -337,28 +506,6 @@ class ManualGraph:
                 return [_copy(g) for g in static_grads]
 
             return Case(graph.replay, collect_grads, kept.clear)
-
-        if mode == "train_step":
-
-            def forward_backward() -> torch.Tensor:
-                out = module(*static_args)
-                out.backward(grad_out)
-                return out
-
-            def no_grads() -> None:
-                module.zero_grad(set_to_none=True)
-
-            graph, out = _capture(forward_backward, no_grad=False, before_each=no_grads)
-
-            def step() -> None:
-                copy_inputs()
-                graph.replay()
-
-            def collect_step() -> list[torch.Tensor | None]:
-                step()
-                return [_copy(out), *(_copy(p.grad) for p in params)]
-
-            return Case(step, collect_step, kept.clear)
 
         raise ValueError(f"unknown mode {mode!r}")
 

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from benchmarks.models import GPT, GPTConfig, llama_decode, mlp
+from benchmarks.models import GPT, GPTConfig, llama_decode, mlp, thunder_nanogpt
 
 __all__ = ["MODES", "TRAINING_MODES", "WORKLOADS", "Setup", "Workload", "transformers_available"]
 
 #: ``inference``: a forward pass under ``torch.no_grad``. ``train_fwd``: the forward pass with autograd recording.
 #: ``train_bwd``: the backward pass alone, repeated on one retained forward graph. ``train_step``: forward, backward,
-#: ``zero_grad(set_to_none=True)``.
+#: an AdamW step, ``zero_grad(set_to_none=True)`` (``benchmarks.variants.train_step``).
 MODES = ("inference", "train_fwd", "train_bwd", "train_step")
 TRAINING_MODES = MODES[1:]
 
@@ -75,9 +75,12 @@ def _build_mlp(device: torch.device, plan: bool) -> Setup:
     return Setup(model, (x,), (x,), torch.float32, reduced)
 
 
-def _gpt_setup(config: GPTConfig, batch: int, tokens: int, device: torch.device, dtype: torch.dtype) -> Setup:
+def _gpt_setup(
+    config, batch: int, tokens: int, device: torch.device, dtype: torch.dtype, make: Callable[..., nn.Module] = GPT
+) -> Setup:
+    """``make(config)`` (a GPT that returns the loss when given targets) and random tokens and targets."""
     _seeded()
-    model = GPT(config).to(device=device, dtype=dtype)
+    model = make(config).to(device=device, dtype=dtype)
     idx = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
     targets = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
     return Setup(model, (idx,), (idx, targets), dtype)
@@ -90,12 +93,36 @@ def _build_nanogpt(device: torch.device, plan: bool) -> Setup:
     return setup
 
 
+def _build_nanogpt_thunder_tests(device: torch.device, plan: bool) -> Setup:
+    from thunder.tests.nanogpt_model import GPTConfig as ThunderGPTConfig
+
+    config = ThunderGPTConfig(
+        block_size=64, vocab_size=512, n_layer=1 if plan else 4, n_head=4, n_embd=128, dropout=0.0
+    )
+    setup = _gpt_setup(config, 2, 64, device, torch.float32, make=thunder_nanogpt)
+    setup.reduced = "1 of the 4 layers" if plan else ""
+    return setup
+
+
+def _gpt12_plan(device: torch.device) -> Setup:
+    """The reduced GPT of the 12-layer workloads' CPU plan."""
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=128, block_size=64, vocab_size=512, dropout=0.0)
+    setup = _gpt_setup(config, 1, 32, device, torch.float32)
+    setup.reduced = "1 of 12 layers, d=128, vocab 512, batch 1, 32 tokens, fp32"
+    return setup
+
+
+def _build_gpt2_124m(device: torch.device, plan: bool) -> Setup:
+    if plan:
+        return _gpt12_plan(device)
+    # fp32: GPT-2 training keeps its weights and optimizer state in fp32.
+    config = GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=256, vocab_size=50304, dropout=0.0, bias=True)
+    return _gpt_setup(config, 1, 128, device, torch.float32)
+
+
 def _build_gpt12(device: torch.device, plan: bool) -> Setup:
     if plan:
-        config = GPTConfig(n_layer=1, n_head=2, n_embd=128, block_size=64, vocab_size=512, dropout=0.0)
-        setup = _gpt_setup(config, 1, 32, device, torch.float32)
-        setup.reduced = "1 of 12 layers, d=128, vocab 512, batch 1, 32 tokens, fp32"
-        return setup
+        return _gpt12_plan(device)
     # bf16: the fp32 step (no TF32) takes several times longer, and that time is the GPU's, not launch overhead.
     config = GPTConfig(n_layer=12, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304, dropout=0.0)
     return _gpt_setup(config, 8, 512, device, torch.bfloat16)
@@ -134,12 +161,25 @@ WORKLOADS: dict[str, Workload] = {
             _build_nanogpt,
         ),
         Workload(
+            "nanogpt-thunder-tests",
+            "Thunder's test nanoGPT (thunder.tests.nanogpt_model.GPT): 4 layers, d=128, 4 heads, vocab 512, 64 tokens,"
+            " batch 2, fp32; training returns the loss",
+            MODES,
+            _build_nanogpt_thunder_tests,
+        ),
+        Workload(
             "llama-decode",
             "HF LlamaForCausalLM (4 layers, hidden 512, 8 heads, vocab 32000, random weights), one-token decode at"
             " position 32 of a 256-long static KV cache, batch 1, bf16",
             ("inference",),
             _build_llama,
             needs_transformers=True,
+        ),
+        Workload(
+            "gpt2-124m",
+            "GPT-2 124M: 12 layers, d=768, 12 heads, vocab 50304, block 256, 128 tokens, batch 1, biases, fp32",
+            MODES,
+            _build_gpt2_124m,
         ),
         Workload(
             "gpt12-d1024-b8-t512",

@@ -18,7 +18,8 @@ import torch
 
 from benchmarks.__main__ import parse_args
 from benchmarks.report import markdown_table, write_results
-from benchmarks.variants import VARIANTS
+from benchmarks.variants import STEP_VARIANTS, VARIANTS
+from benchmarks.workloads import WORKLOADS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,7 +72,7 @@ def test_unknown_name_exits_nonzero_from_the_command_line():
 def test_default_selection_runs_everything_and_the_microbenchmark():
     args = parse_args([])
     assert args.run_micro and args.run_workloads
-    assert len(args.workloads) == 4 and len(args.modes) == 4 and args.variants == list(VARIANTS)
+    assert args.workloads == list(WORKLOADS) and len(args.modes) == 4 and args.variants == list(VARIANTS)
     only_micro = parse_args(["--micro"])
     assert only_micro.run_micro and not only_micro.run_workloads
     selected = parse_args(["--workloads", "llama-decode"])
@@ -314,7 +315,6 @@ def test_a_failure_prints_its_whole_traceback_and_fails_the_job(tmp_path, capsys
     """The GPU path on the CPU: a workload whose build raises, or a variant whose factory raises."""
     from benchmarks import suite
     from benchmarks.__main__ import _run_gpu
-    from benchmarks.workloads import WORKLOADS
 
     if failing == "workload":
         monkeypatch.setitem(
@@ -394,8 +394,6 @@ def test_an_expected_failure_is_recorded_with_its_reason_and_the_job_succeeds(tm
 
 def test_expected_failures_match_their_task_and_error_exactly():
     from benchmarks.suite import EXPECTED_FAILURES, expected_failure
-    from benchmarks.variants import VARIANTS
-    from benchmarks.workloads import WORKLOADS
 
     for known in EXPECTED_FAILURES:
         assert known.workload in WORKLOADS and known.variant in VARIANTS
@@ -410,7 +408,6 @@ def test_expected_failures_match_their_task_and_error_exactly():
 
 def test_a_failing_capture_plan_prints_its_whole_traceback_and_fails_the_job(capsys, monkeypatch):
     from benchmarks.__main__ import main
-    from benchmarks.workloads import WORKLOADS
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path even on a machine with a GPU
     monkeypatch.setitem(WORKLOADS, "mlp16x256-b8", dataclasses.replace(WORKLOADS["mlp16x256-b8"], build=_failing_build))
@@ -423,14 +420,14 @@ def test_a_failing_capture_plan_prints_its_whole_traceback_and_fails_the_job(cap
 
 def test_help_lists_the_workloads_modes_and_variants(capsys):
     from benchmarks.suite import EXPECTED_FAILURES
-    from benchmarks.workloads import MODES, WORKLOADS
+    from benchmarks.workloads import MODES
 
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     names = set(re.split(r"[\s,]+", text))
-    for name in (*WORKLOADS, *MODES, *VARIANTS):
+    for name in (*WORKLOADS, *MODES, *VARIANTS, "nanogpt-thunder-tests", "gpt2-124m", *STEP_VARIANTS):
         assert name in names, name
     for known in EXPECTED_FAILURES:
         assert known.variant in names and known.workload in names
@@ -442,3 +439,122 @@ def test_the_bench_extra_pins_the_tested_transformers():
     config.read(REPO / "setup.cfg")
     bench = [line.strip() for line in config["options.extras_require"]["bench"].splitlines() if line.strip()]
     assert "transformers==5.24.0" in bench
+
+
+# -- train_step with AdamW, the whole-step variants, the GPT workloads --------------------------------------------------
+
+
+def _reduced(monkeypatch, *names: str) -> None:
+    """Makes the suite build ``names`` at the reduced sizes of the CPU plan."""
+    for name in names:
+        workload = WORKLOADS[name]
+        monkeypatch.setitem(
+            WORKLOADS, name, dataclasses.replace(workload, build=lambda d, _, b=workload.build: b(d, True))
+        )
+
+
+def _cpu_suite(workloads, modes, variants) -> tuple[dict, list[str]]:
+    from benchmarks.suite import Options, Suite
+
+    progress = []
+    suite = Suite(
+        workloads,
+        modes,
+        variants,
+        Options(reps=2, quick=True, budget_s=0),
+        device=torch.device("cpu"),
+        progress=progress.append,
+        log=lambda line: None,
+    )
+    records = {(r.workload, r.mode, r.variant): r for r in suite.run()}
+    assert len(progress) == suite.num_measurements() == len(records)
+    return records, progress
+
+
+def test_train_step_is_checked_on_one_step_from_the_start(monkeypatch):
+    """collect() starts from the case's parameters and a zero optimizer state, however many calls came before; it
+    compares the loss, the first moments and the loss after the step, so a step that changes nothing fails."""
+    from benchmarks import variants
+    from benchmarks.suite import compare
+
+    setup = WORKLOADS["nanogpt6-d256-t32-b1"].build(torch.device("cpu"), True)
+    model = setup.fresh_model()
+    reference = variants.module_case(model, model, "train_step", setup.train_args, torch.tensor(1.0)).collect()
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert len(reference) == len(params) + 2 and reference[-1] < reference[0]  # the step lowered the loss
+
+    stepped = setup.fresh_model()
+    case = variants.module_case(stepped, stepped, "train_step", setup.train_args, torch.tensor(1.0))
+    for _ in range(3):
+        case.call()
+    correct, rel_err = compare(case.collect(), reference, torch.float32)
+    assert correct and rel_err < 1e-6
+
+    monkeypatch.setattr(variants, "make_optimizer", lambda params: torch.optim.AdamW(params, lr=0.0, fused=True))
+    frozen = setup.fresh_model()
+    case = variants.module_case(frozen, frozen, "train_step", setup.train_args, torch.tensor(1.0))
+    assert not compare(case.collect(), reference, torch.float32)[0]
+
+
+def test_the_gpt_workloads_run_a_training_step_on_the_cpu(monkeypatch):
+    """nanogpt-thunder-tests and gpt2-124m, reduced, through the suite: eager and Thunder agree after an AdamW step;
+    the hand-captured whole step needs CUDA and records its error."""
+    _reduced(monkeypatch, "nanogpt-thunder-tests", "gpt2-124m")
+    records, _ = _cpu_suite(
+        ["nanogpt-thunder-tests", "gpt2-124m"], ["train_step"], ["eager", "thunder", "thunder+wholestep(unsafe)"]
+    )
+    for workload in ("nanogpt-thunder-tests", "gpt2-124m"):
+        for variant in ("eager", "thunder"):
+            r = records[(workload, "train_step", variant)]
+            assert r.error is None and r.correct is True and r.median_us > 0
+        if not torch.cuda.is_available():
+            assert records[(workload, "train_step", "thunder+wholestep(unsafe)")].error
+
+
+def test_step_variants_run_train_step_only_and_fail_with_a_reason_without_graph_step(monkeypatch):
+    import cudagraphex
+
+    monkeypatch.delattr(cudagraphex, "graph_step", raising=False)
+    _reduced(monkeypatch, "mlp16x256-b8")
+    records, _ = _cpu_suite(["mlp16x256-b8"], ["inference", "train_step"], ["eager", *STEP_VARIANTS])
+    assert records[("mlp16x256-b8", "train_step", "eager")].correct is True
+    for variant in STEP_VARIANTS:
+        assert ("mlp16x256-b8", "inference", variant) not in records
+    for variant in ("thunder+cudagraphex-step", "thunder+torchcompile+cudagraphex-step"):
+        error = records[("mlp16x256-b8", "train_step", variant)].error
+        assert error == "NotImplementedError: this cudagraphex has no graph_step (the whole-step API)"
+
+
+def test_a_step_variant_runs_through_graph_step_on_the_cpu(monkeypatch):
+    """thunder+cudagraphex-step with cudagraphex's emulating backends: the suite finds it correct, and its step is
+    captured once and then replayed."""
+    import cudagraphex
+    from benchmarks.suite import emulated_executor
+    from benchmarks.variants import make_variant
+
+    if not hasattr(cudagraphex, "graph_step"):
+        pytest.skip("this cudagraphex has no graph_step")
+    _reduced(monkeypatch, "mlp16x256-b8")
+    records, _ = _cpu_suite(["mlp16x256-b8"], ["train_step"], ["eager", "thunder+cudagraphex-step"])
+    r = records[("mlp16x256-b8", "train_step", "thunder+cudagraphex-step")]
+    assert r.error is None and r.correct is True and r.median_us > 0
+
+    setup = WORKLOADS["mlp16x256-b8"].build(torch.device("cpu"), True)
+    compiled = make_variant(
+        "thunder+cudagraphex-step", setup.fresh_model, emulated_executor("cudagraphex_bench_emulate")
+    )
+    case = compiled.case("train_step", setup.train_args, torch.randn(8, 256))
+    for _ in range(5):  # warm-ups (the first call creates the optimizer state), the capture, a replay
+        case.call()
+    report = cudagraphex.explain(compiled.step)
+    assert report.captures == 1 and report.replays >= 1, str(report)
+    case.close()
+    assert compiled.step is None
+
+
+def test_every_variant_and_workload_has_a_place_and_a_cost():
+    from benchmarks.suite import _VARIANT_COST, _WORKLOAD_COST_S, TASK_ORDER
+
+    ordered = [variant for tier in TASK_ORDER for variant in tier]
+    assert sorted(ordered) == sorted(VARIANTS)
+    assert set(_VARIANT_COST) == set(VARIANTS) and set(_WORKLOAD_COST_S) == set(WORKLOADS)
