@@ -11,6 +11,7 @@ gradient and buffer slots are ever reassigned by cudagraphex, and only to the te
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Any
 
@@ -48,6 +49,10 @@ def install_registration_hooks() -> None:
             _hooks.append(nn_module.register_module_module_registration_hook(_bump))
 
 
+_grad_of = operator.attrgetter("grad")
+_training_of = operator.attrgetter("training")
+
+
 class Slots:
     """The step's state: where each tensor a replay reads or writes lives in Python, enumerated once per registration
     generation. ``tensors()`` reads every slot in a fixed order; ``put`` sets one."""
@@ -63,22 +68,25 @@ class Slots:
         #: (module, buffer name) of every buffer.
         self.buffer_slots = [(m, n) for m in self.submodules for n, b in m._buffers.items() if b is not None]
         self.states = [opt.state for opt in optimizers]
-        self.state_entries = [
-            (st, p, k) for st in self.states for p in self.params if p in st for k in st[p] if is_tensor(st[p][k])
-        ]
+        #: Each optimizer's per-parameter state dicts, in its state's order (read without hashing parameters).
+        self.state_dicts = [list(st.values()) for st in self.states]
+        entries = [(d, k) for dicts in self.state_dicts for d in dicts for k in d if is_tensor(d[k])]
+        self.entry_dicts = [d for d, _ in entries]
+        self.entry_keys = [k for _, k in entries]
         self.num_params = len(self.params)
         self.num_buffers = len(self.buffer_slots)
-        self.num_state_values = sum(len(v) for st in self.states for v in st.values())
+        self.num_state_values = sum(len(d) for dicts in self.state_dicts for d in dicts)
         self.group_sizes = [len(g["params"]) for opt in optimizers for g in opt.param_groups]
 
     def stale(self) -> bool:
-        """Whether a registration happened, or an optimizer's state changed shape, since the slots were enumerated."""
+        """Whether a registration happened, or an optimizer's state or param groups changed, since the slots were
+        enumerated."""
         if _registrations[0] != self.generation:
             return True
-        for opt, st in zip(self.optimizers, self.states, strict=True):
-            if opt.state is not st:
+        for opt, st, dicts in zip(self.optimizers, self.states, self.state_dicts, strict=True):
+            if opt.state is not st or len(st) != len(dicts) or not all(map(operator.is_, st.values(), dicts)):
                 return True
-        if sum(len(v) for st in self.states for v in st.values()) != self.num_state_values:
+        if sum(sum(map(len, dicts)) for dicts in self.state_dicts) != self.num_state_values:
             return True
         return [len(g["params"]) for opt in self.optimizers for g in opt.param_groups] != self.group_sizes
 
@@ -88,8 +96,8 @@ class Slots:
         return [
             *params,
             *(m._buffers[n] for m, n in self.buffer_slots),
-            *(p.grad for p in params),
-            *(st[p][k] for st, p, k in self.state_entries),
+            *map(_grad_of, params),
+            *map(operator.getitem, self.entry_dicts, self.entry_keys),
         ]
 
     def grad_index(self, i: int) -> int | None:
@@ -119,7 +127,7 @@ class Slots:
             torch.is_autocast_enabled("cuda"),
             torch.get_autocast_dtype("cuda"),
             torch.is_autocast_enabled("cpu"),
-            tuple(m.training for m in self.submodules),
+            tuple(map(_training_of, self.submodules)),
         )
 
     def hyperparameters(self) -> list[list[tuple[str, Any]]]:
