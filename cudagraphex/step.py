@@ -15,9 +15,9 @@ What is guarded
     None are None. The arguments have the layout they were captured with; Python arguments are equal. Grad mode,
     autocast, the ``training`` flag of every module, each optimizer's ``param_groups`` (hyperparameters compared by
     value, tensors by identity) and its state entries are as at the capture; no parameter, buffer or submodule was
-    registered since. A miss runs the slow path, which replays the graph where only object identities changed, and
-    otherwise warms up and captures again (at most ``max_graphs`` captures), or runs ``fn`` as is with one logged
-    reason. A stale graph is never replayed.
+    registered since. A miss runs the slow path, which captures again (after warm-up calls where the input signature,
+    the modes or which slots hold a tensor are new; at most ``max_graphs`` captures in all), or runs ``fn`` as is with
+    one logged reason. A stale graph is never replayed.
 
 Slots keep their tensors
     A step that replaces the tensor in a slot (``zero_grad(set_to_none=True)`` before ``backward`` gives every
