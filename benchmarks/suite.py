@@ -100,6 +100,7 @@ TASK_ORDER = (
     ("thunder", "thunder+cudagraphex(last)"),
     ("thunder+cudagraphex+PruneParameterChecks", "torch.compile"),
     ("thunder+torchcompile+cudagraphex", "thunder+torchcompile+cudagraphex-step"),
+    ("thunder+torchcompile+wholestep(unsafe)",),
 )
 
 #: Rough seconds a task takes on an H200 host (compilation dominates), for the budget. Per workload: the cost of a
@@ -128,6 +129,7 @@ _VARIANT_COST = {
     "thunder+wholestep(unsafe)": 0.6,
     "thunder+cudagraphex-step": 0.7,
     "thunder+torchcompile+cudagraphex-step": 1.2,
+    "thunder+torchcompile+wholestep(unsafe)": 1.1,
 }
 MICRO_COST_S = 15.0
 #: Variants timed right after their setup even in an interleaved run: timing needs a second case of the compiled

@@ -35,6 +35,7 @@ The whole-step variants (:data:`STEP_VARIANTS`) run ``train_step`` only (:func:`
 
 ``thunder+wholestep(unsafe)`` captures the same step the same way, on ``thunder.jit(model)``: nothing checks that a
 replay is still valid (no prologue runs), so it is the floor of whole-step capture of a Thunder step.
+``thunder+torchcompile+wholestep(unsafe)`` does the same with Thunder's torch.compile executor.
 ``thunder+cudagraphex-step`` and ``thunder+torchcompile+cudagraphex-step`` run the step through
 ``cudagraphex.graph_step``, which captures it whole after warm-up calls and replays it behind guards.
 
@@ -82,12 +83,18 @@ VARIANTS = (
     "torch.compile(reduce-overhead)",
     "manual-graph",
     "thunder+wholestep(unsafe)",
+    "thunder+torchcompile+wholestep(unsafe)",
     "thunder+cudagraphex-step",
     "thunder+torchcompile+cudagraphex-step",
     "kernel-floor",
 )
 #: Variants that capture the whole training step: they run ``train_step`` only.
-STEP_VARIANTS = ("thunder+wholestep(unsafe)", "thunder+cudagraphex-step", "thunder+torchcompile+cudagraphex-step")
+STEP_VARIANTS = (
+    "thunder+wholestep(unsafe)",
+    "thunder+torchcompile+wholestep(unsafe)",
+    "thunder+cudagraphex-step",
+    "thunder+torchcompile+cudagraphex-step",
+)
 #: Variants whose calls go through cudagraphex's regions (their notes report its regions and graphs; their times, the
 #: share spent in region calls). The ``-step`` variants replay one step graph instead.
 GRAPH_VARIANTS = (
@@ -347,6 +354,10 @@ def compile_variant(name: str, module: nn.Module, graph_executor) -> Compiled:
         return Compiled(module, module)
     if name == "thunder+wholestep(unsafe)":
         return WholeStep(module, thunder.jit(module))
+    if name == "thunder+torchcompile+wholestep(unsafe)":
+        from thunder.executors.torch_compile import torch_compile_ex
+
+        return WholeStep(module, thunder.jit(module, executors=[torch_compile_ex, *thunder.get_default_executors()]))
     if name in STEP_VARIANTS:
         options = _thunder_options(name.removesuffix("-step"), graph_executor)
         return GraphStep(module, thunder.jit(module, **options))
@@ -403,8 +414,9 @@ def _graphed_step_case(
 
 
 class WholeStep(Compiled):
-    """``thunder+wholestep(unsafe)``: ``train_step`` of ``thunder.jit(model)`` captured by hand into one graph, as
-    manual-graph captures eager's (:func:`_graphed_step_case`). Every case captures a new graph of the same module."""
+    """The ``wholestep(unsafe)`` variants: ``train_step`` of the Thunder-compiled model captured by hand into one
+    graph, as manual-graph captures eager's (:func:`_graphed_step_case`). Every case captures a new graph of the same
+    module."""
 
     def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
         _only_train_step(mode)

@@ -15,9 +15,16 @@ What is guarded
     None are None. The arguments have the layout they were captured with; Python arguments are equal. Grad mode,
     autocast, the ``training`` flag of every module, each optimizer's ``param_groups`` (hyperparameters compared by
     value, tensors by identity) and its state entries are as at the capture; no parameter, buffer or submodule was
-    registered since. A miss runs the slow path, which captures again (after warm-up calls where the input signature,
-    the modes or which slots hold a tensor are new; at most ``max_graphs`` captures in all), or runs ``fn`` as is with
-    one logged reason. A stale graph is never replayed.
+    registered since. The step keeps one graph per input signature, modes and set of slots that hold a tensor; a miss
+    runs the slow path, which replays the graph of the call's signature where its guards hold, captures again (after
+    warm-up calls where the signature is new; at most ``max_graphs`` captures in all), or runs ``fn`` as is with one
+    logged reason. A stale graph is never replayed. Graphs share one memory pool: they run one at a time, and the
+    outputs of each are copied out right after its replay.
+
+Arguments
+    Tensor arguments are copied into the graph's buffers before a replay; buffers the step writes in place are copied
+    back into the caller's arguments after it. An argument that shares memory with another or with the state would
+    lose that sharing in the buffers: such a call runs ``fn`` as is.
 
 Slots keep their tensors
     A step that replaces the tensor in a slot (``zero_grad(set_to_none=True)`` before ``backward`` gives every
@@ -58,6 +65,17 @@ from torch.utils import _pytree as pytree
 
 from cudagraphex import capture as _capture
 from cudagraphex.runtime import StrictModeError
+from cudagraphex.step_io import (
+    argument_problem,
+    handed_out,
+    host_values,
+    output_problem,
+    picker,
+    shared_storage,
+    signature,
+    storages,
+    write_back,
+)
 from cudagraphex.step_state import (
     HostWork,
     Slots,
@@ -114,12 +132,15 @@ class _Graph:
         self.host_values: tuple = ()
         self.modes: tuple = ()
         self.buffers: list[torch.Tensor] = []
+        #: Indices of the buffers the step writes in place: copied back into the caller's arguments after a replay.
+        self.written: list[int] = []
         self.arg_guard: TensorGuards | None = None
         self.pick_args: Callable = lambda flat: ()
         self.slots: list[torch.Tensor | None] = []
         self.state_guard: TensorGuards | None = None
         self.state_idx: list[int] = []
         self.state_ptrs: list[int | None] = []
+        self.state_storages: frozenset[int] = frozenset()
         self.ptr_idx: list[int] = []
         self.hyperparameters: list = []
         self.outputs: list[torch.Tensor | None] = []
@@ -166,6 +187,7 @@ class StepGraph:
         self.device_type = "cpu" if self.emulated else "cuda"
         self._slots = Slots(self.modules, self.optimizers)
         self._current: _Graph | None = None
+        self._graphs: dict[tuple, _Graph] = {}
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
         self._warmups: Counter[tuple] = Counter()
@@ -192,12 +214,14 @@ class StepGraph:
         if (
             slots.stale()
             or spec != graph.spec
-            or _host_values(flat) != graph.host_values
+            or host_values(flat) != graph.host_values
             or slots.modes() != graph.modes
         ):
             return False
         args = graph.pick_args(flat)
         if graph.arg_guard is not None and not graph.arg_guard.check(*args):
+            return False
+        if shared_storage(args, graph.state_storages):
             return False
         current = slots.tensors()
         if not all(map(operator.is_, current, graph.slots)):
@@ -220,16 +244,25 @@ class StepGraph:
         else:
             graph.graph.replay()
         self._report.replays += 1
-        return _handed_out(graph)
+        write_back(args, graph.buffers, graph.written)
+        return handed_out(graph.outputs, graph.out_spec)
 
     def _slow(self, args: tuple, kwargs: dict) -> Any:
         self._slots = slots = Slots(self.modules, self.optimizers)
         flat, spec = pytree.tree_flatten((args, kwargs))
-        key = (_signature(flat, spec), slots.modes(), state_layout(slots.tensors()))
-        if key not in self._refused and (problem := _argument_problem(flat)) is not None:
+        key = (signature(flat, spec), slots.modes(), state_layout(slots.tensors()))
+        if key not in self._refused and (problem := argument_problem(flat)) is not None:
             self._refuse(key, problem)
         if key in self._refused:
             return self._plain(args, kwargs, "not captured", inside_step=False)
+        tensor_args = [a for a in flat if is_tensor(a)]
+        if shared_storage(tensor_args, storages(slots.tensors())):
+            self._refuse(None, "an argument shares memory with another argument or with the step's state")
+            return self._plain(args, kwargs, "arguments share memory", inside_step=False)
+        known = self._graphs.get(key)
+        if known is not None and self._fits(known, flat, spec):
+            self._current = known
+            return self._replay(known, flat)
         self._warmups[key] += 1
         if self._warmups[key] < self.warmup_calls:
             return self._plain(args, kwargs, "warm-up")
@@ -249,6 +282,10 @@ class StepGraph:
         if out is _NOT_RUN:
             return self._plain(args, kwargs, "not captured", inside_step=False)
         self._current = graph
+        if graph is None:
+            self._graphs.pop(key, None)
+        else:
+            self._graphs[key] = graph
         return out
 
     def _plain(self, args: tuple, kwargs: dict, reason: str, *, inside_step: bool = True) -> Any:
@@ -260,11 +297,13 @@ class StepGraph:
         with _capture.whole_step():
             return self.fn(*args, **kwargs)
 
-    def _refuse(self, key: tuple, reason: str) -> None:
+    def _refuse(self, key: tuple | None, reason: str) -> None:
+        """Runs calls of input signature ``key`` (of this call only, for None) without the step graph from now on."""
         message = f"cudagraphex: step {self.__name__} is not captured: {reason}; it runs without the step graph"
         if self.strict:
             raise StrictModeError(message)
-        self._refused[key] = reason
+        if key is not None:
+            self._refused[key] = reason
         self._report.not_captured = reason
         if not self._warned:
             self._warned = True
@@ -281,7 +320,7 @@ class StepGraph:
         slots = self._slots
         graph = _Graph()
         tensor_idx = [i for i, a in enumerate(flat) if is_tensor(a)]
-        graph.pick_args = _picker(tensor_idx)
+        graph.pick_args = picker(tensor_idx)
         graph.buffers = [
             torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
             for a in map(flat.__getitem__, tensor_idx)
@@ -295,6 +334,7 @@ class StepGraph:
                 dynamic_dims_sizes=[list(a.shape) for a in guarded],
                 dynamic_dims_strides=[list(a.stride()) for a in guarded],
             )
+        versions = [buf._version for buf in graph.buffers]
         call_flat = list(flat)
         for buf, i in zip(graph.buffers, tensor_idx, strict=True):
             call_flat[i] = buf
@@ -318,19 +358,21 @@ class StepGraph:
         self._report.pool_bytes += added
 
         flat_out, graph.out_spec = pytree.tree_flatten(out)
-        problem = _output_problem(flat_out, [*before, *flat, *graph.buffers])
+        problem = output_problem(flat_out, [*before, *flat, *graph.buffers])
         if problem is not None:  # the emulated capture ran the step; a CUDA capture only recorded it
             return None, out if self.emulated else _NOT_RUN, problem
         graph.outputs = [None if o is None else o.detach() for o in flat_out]
+        graph.written = [i for i, (buf, v) in enumerate(zip(graph.buffers, versions, strict=True)) if buf._version != v]
 
         after = slots.tensors()
         graph.slots = after
         graph.hyperparameters = hyperparameters
-        graph.spec, graph.host_values, graph.modes = spec, _host_values(flat), key[1]
+        graph.spec, graph.host_values, graph.modes = spec, host_values(flat), key[1]
         graph.state_idx = [i for i, t in enumerate(after) if t is not None]
         present = [after[i] for i in graph.state_idx]
         graph.state_ptrs = [t.data_ptr() for t in present]
         graph.ptr_idx = list(range(len(present)))
+        graph.state_storages = storages(present)
         graph.state_guard = (
             TensorGuards(
                 *present,
@@ -353,7 +395,8 @@ class StepGraph:
         if not self.emulated:
             graph.graph.replay()
             self._report.replays += 1
-        return None if moved else graph, _handed_out(graph), None
+        write_back(graph.pick_args(flat), graph.buffers, graph.written)
+        return None if moved else graph, handed_out(graph.outputs, graph.out_spec), None
 
     def _run_cuda_capture(self, graph: _Graph, before: list) -> Any:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -411,50 +454,6 @@ class _NotCapturable(Exception):
 
 #: The result of a call whose device work has not run (a failed CUDA capture).
 _NOT_RUN = object()
-
-
-def _handed_out(graph: _Graph) -> Any:
-    """The step's result: a new copy of each output tensor, so that a later replay never overwrites what the caller
-    keeps."""
-    with torch.no_grad():
-        return pytree.tree_unflatten([None if o is None else o.clone() for o in graph.outputs], graph.out_spec)
-
-
-def _output_problem(flat_out: list, known: list) -> str | None:
-    ids = {id(t) for t in known if t is not None}
-    for o in flat_out:
-        if o is not None and not is_tensor(o):
-            return f"the step returns a {type(o).__name__}, which a graph would freeze"
-        if o is not None and id(o) in ids:
-            return "the step returns one of its arguments or state tensors, not a new tensor"
-    return None
-
-
-def _picker(indices: list[int]) -> Callable[[list], tuple]:
-    if len(indices) > 1:
-        return operator.itemgetter(*indices)
-    if indices:
-        only = indices[0]
-        return lambda flat: (flat[only],)
-    return lambda flat: ()
-
-
-def _signature(flat: list, spec: Any) -> tuple:
-    return (
-        str(spec),
-        tuple((t.shape, t.stride(), t.dtype, t.device) if is_tensor(t) else (type(t), t) for t in flat),
-    )
-
-
-def _host_values(flat: list) -> tuple:
-    return tuple(None if is_tensor(a) else (type(a), a) for a in flat)
-
-
-def _argument_problem(flat: list) -> str | None:
-    for a in flat:
-        if is_tensor(a) and a.requires_grad:
-            return "an argument requires grad (its gradient would not reach it through a graph's input buffer)"
-    return None
 
 
 def graph_step(

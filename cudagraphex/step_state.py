@@ -158,6 +158,12 @@ def same_hyperparameters(a: list, b: list) -> bool:
 class HostWork(TorchDispatchMode):
     """Finds ops a graph cannot replay: ``.item()``, and ops on CPU tensors when the graph is on a GPU."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Without this, torch.compile'd code that runs under the mode (Thunder's torch_compile_ex fusions) is
+        # disabled for good: Dynamo skips a frame under a dispatch mode and never compiles it again.
+        return True
+
     def __init__(self, device_type: str) -> None:
         super().__init__()
         self.device_type = device_type

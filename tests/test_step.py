@@ -7,6 +7,8 @@ are None) and optimizer state. On the CPU replay backend the comparison is exact
 
 from __future__ import annotations
 
+import copy
+import threading
 import warnings
 
 import pytest
@@ -17,7 +19,7 @@ from torch import nn
 import cudagraphex
 from benchmarks.models import GPT, GPTConfig, mlp
 from cudagraphex import StepReport, StrictModeError, explain, graph_step
-from tests.helpers import jit, num_graphs, twin
+from tests.helpers import BACKENDS, jit, num_graphs, twin
 
 
 def _optimizer(params, backend, adam=True):
@@ -88,6 +90,8 @@ class _Pair:
             assert (p.grad is None) == (q.grad is None)
             if p.grad is not None:
                 close(p.grad, q.grad)
+        for b, c in zip(self.models[0].buffers(), self.models[1].buffers(), strict=True):
+            close(b, c)
         for s, t in zip(self.opts[0].state.values(), self.opts[1].state.values(), strict=True):
             for k in s:
                 close(s[k], t[k])
@@ -157,6 +161,39 @@ def test_a_gpt_step_matches_thunder(backend):
     assert num_graphs(pair.compiled[0], backend.executor) == 0
 
 
+def test_torch_compiled_code_in_the_step_stays_compiled(backend):
+    compiled_calls = []
+
+    def counting_backend(gm, example_inputs):
+        def run(*args):
+            compiled_calls.append(1)
+            return gm(*args)
+
+        return run
+
+    model = mlp(2, 16).to(backend.device)
+    forward = torch.compile(model, backend=counting_backend, fullgraph=True)
+    opt = _optimizer(model.parameters(), backend, adam=False)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = ((forward(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    graphed = graph_step(step, modules=[model], optimizers=[opt], backend=backend.name)
+    x, y = torch.randn(4, 16, device=backend.device), torch.randn(4, 16, device=backend.device)
+    for _ in range(5):
+        graphed(x, y)
+    report = explain(graphed)
+    assert report.captures == 1
+    runs = sum(report.plain_calls.values()) + report.captures + (report.replays if backend.name == "emulate" else 0)
+    # The last warm-up looks for host work under a dispatch mode, under which Dynamo would disable compiled code for
+    # good: the capture and every later run would run the module uncompiled.
+    assert len(compiled_calls) == runs
+
+
 def test_outputs_the_caller_keeps_are_never_overwritten(backend):
     pair = _Pair(backend)
     kept = [pair.call(*pair.batch(), seed=i) for i in range(6)]
@@ -176,6 +213,120 @@ def test_dropout_draws_fresh_values_on_every_replay(backend):
     # The same batch gives a different loss each call: the masks are drawn afresh (the parameters change too, but
     # far less than a new mask changes the loss).
     assert len({round(float(v), 6) for v in losses[-4:]}) == 4
+
+
+def test_batchnorm_running_statistics_follow_every_step(backend):
+    def make():
+        return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 16))
+
+    pair = _Pair(backend, make_model=make)
+    for i in range(6):
+        pair.call(*pair.batch(), seed=i)  # compares the buffers too: running mean, variance, batch count
+    assert _replays(pair.step) >= 2
+
+
+def _with_arguments(pair, extra):
+    """Gives both step functions of ``pair`` the extra arguments ``extra(loss, *args)`` reads or writes."""
+    inner = list(pair.steps)
+
+    def step_of(i):
+        def step(x, y, *args):
+            loss = inner[i](x, y)
+            return extra(loss, *args)
+
+        return step
+
+    pair.steps = [step_of(0), step_of(1)]
+    pair.step = graph_step(
+        pair.steps[0], modules=[pair.models[0]], optimizers=[pair.opts[0]], backend=pair.backend.name
+    )
+
+
+def _run_both(pair, seed, *args_of_each):
+    torch.manual_seed(seed)
+    got = pair.step(*args_of_each[0])
+    torch.manual_seed(seed)
+    want = pair.steps[1](*args_of_each[1])
+    pair.check(got, want)
+
+
+def test_an_argument_written_in_place_is_updated_once_per_call(backend):
+    def accumulate(loss, total, calls):
+        total.add_(loss)
+        calls.add_(1)
+        return loss
+
+    pair = _Pair(backend)
+    _with_arguments(pair, accumulate)
+    totals = [torch.zeros((), device=backend.device) for _ in range(2)]
+    counts = [torch.zeros((), dtype=torch.int64, device=backend.device) for _ in range(2)]
+    for i in range(6):
+        x, y = pair.batch()
+        _run_both(pair, i, (x, y, totals[0], counts[0]), (x, y, totals[1], counts[1]))
+        pair.check(totals[0], totals[1])
+        assert int(counts[0]) == i + 1
+    assert _replays(pair.step) >= 2
+
+
+def test_arguments_that_share_memory_are_not_copied_apart(backend):
+    def scale_twice(loss, a, b):
+        a.add_(1)
+        b.mul_(2)  # sees the write through a when both are one tensor
+        return loss
+
+    pair = _Pair(backend)
+    _with_arguments(pair, scale_twice)
+    shared = [torch.ones(3, device=backend.device) for _ in range(2)]
+
+    def calls_with_one_tensor_twice():
+        for i in range(4):
+            x, y = pair.batch()
+            _run_both(pair, i, (x, y, shared[0], shared[0]), (x, y, shared[1], shared[1]))
+            pair.check(shared[0], shared[1])
+
+    with pytest.warns(UserWarning, match="shares memory"):
+        calls_with_one_tensor_twice()
+    assert explain(pair.step).captures == 0
+    for i in range(4, 8):  # apart, the same step is captured
+        x, y = pair.batch()
+        apart = [[torch.ones(3, device=backend.device) for _ in range(2)] for _ in range(2)]
+        _run_both(pair, i, (x, y, *apart[0]), (x, y, *apart[1]))
+        pair.check(apart[0], apart[1])
+    assert explain(pair.step).replays >= 1
+
+
+def test_python_values_passed_to_the_step_key_its_graphs(backend):
+    pair = _Pair(backend)
+    _with_arguments(pair, lambda loss, scale: loss * scale)
+    for i in range(16):
+        x, y = pair.batch()
+        scale = 1.0 if i % 2 else 2.0
+        _run_both(pair, i, (x, y, scale), (x, y, scale))
+    report = explain(pair.step)
+    assert report.captures == 2  # one graph per value, each replayed while the other is in use
+    assert report.replays >= 8
+
+
+def test_two_threads_each_with_its_own_step(backend):
+    errors = []
+
+    def worker(seed):
+        try:
+            torch.manual_seed(seed)
+            pair = _Pair(backend, adam=False)
+            for i in range(6):
+                pair.call(*pair.batch(), seed=seed * 100 + i)
+            if _replays(pair.step) < 2:
+                errors.append("not replayed")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
 
 
 # -- what is guarded ---------------------------------------------------------------------------------------------------
@@ -205,7 +356,7 @@ def _halve_the_learning_rate(pair):
 
 def _reload_the_optimizer(pair):
     for opt in pair.opts:
-        opt.load_state_dict(opt.state_dict())
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # the same values in new tensors
 
 
 def _switch_to_eval(pair):
@@ -346,6 +497,26 @@ def test_a_non_capturable_optimizer_is_not_captured():
     with pytest.warns(UserWarning, match="CPU tensor"):
         [stepped(torch.randn(4, 16, device="cuda")) for _ in range(4)]
     assert explain(stepped).captures == 0
+
+
+@pytest.mark.cuda
+def test_a_failed_capture_runs_the_step_as_is():
+    pair = _Pair(BACKENDS["cuda"])
+    inner = pair.steps[0]
+
+    def step(x, y):
+        loss = inner(x, y)
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not permitted while a stream captures: the capture fails
+        return loss
+
+    pair.steps[0] = step
+    pair.step = graph_step(step, modules=[pair.models[0]], optimizers=[pair.opts[0]])
+    with pytest.warns(UserWarning, match="capturing the step failed"):
+        _calls(pair, 6)  # compares every call, the one whose capture failed included
+    report = explain(pair.step)
+    assert report.captures == 0 and report.replays == 0
+    assert "capturing the step failed" in report.not_captured
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------------
