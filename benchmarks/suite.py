@@ -227,14 +227,18 @@ def compare(
 
 
 def _iters_per_block(call: Callable[[], None], sync: Callable[[], None], options: Options) -> int:
-    """Warms ``call`` up, then how many calls make a block of about ``options.rep_target_s``."""
+    """Warms ``call`` up, then how many calls make a block of about ``options.rep_target_s``, from the fastest of
+    three timed calls: a whole-step variant may still capture at one of them, and a block sized by a capture would
+    hold one call, which times a call's latency (host and device in turn) instead of its throughput."""
     for _ in range(options.warmup_calls):
         call()
-    sync()
-    start = time.perf_counter()
-    call()
-    sync()
-    single = time.perf_counter() - start
+    single = float("inf")
+    for _ in range(3):
+        sync()
+        start = time.perf_counter()
+        call()
+        sync()
+        single = min(single, time.perf_counter() - start)
     return max(1, min(MAX_ITERS_PER_REP, int(options.rep_target_s / max(single, 1e-7))))
 
 
