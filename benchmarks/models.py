@@ -149,11 +149,11 @@ class LlamaDecodeStep(nn.Module):
     * The 4-D boolean attention mask is built here from ``cache_position``, so Hugging Face's mask construction,
       which differs between transformers releases, is never traced.
 
-    The cache is transformers' own ``StaticCache`` (one ``StaticLayer`` per decoder layer, tensors allocated up front
-    with ``early_initialization``). Its layers write at a running counter (``cumulative_length``) that they advance on
-    every update; the step first sets that counter to ``cache_position`` so that decoding at position P is idempotent.
-    Thunder traces this cache as it is: the in-place writes to the counter and to the key/value tensors become
-    ``copy_``s to those tensors in the trace.
+    The cache is transformers' own ``StaticCache`` (one ``StaticLayer`` per decoder layer, tensors allocated up front).
+    Under transformers 4.5x its layers write at ``cache_position``. Under 5.x they write at a running counter
+    (``cumulative_length``) that they advance on every update; the step first sets that counter to ``cache_position``
+    so that decoding at position P is idempotent. Thunder traces this cache as it is: the in-place writes to the
+    counter and to the key/value tensors become ``copy_``s to those tensors in the trace.
     """
 
     def __init__(self, model: nn.Module, cache, max_cache_len: int, cache_kwarg: str):
@@ -161,17 +161,21 @@ class LlamaDecodeStep(nn.Module):
         self.model = model
         self.cache = cache
         self.cache_kwarg = cache_kwarg
+        self.counted = hasattr(cache.layers[0], "cumulative_length")
         self.register_buffer("kv_positions", torch.arange(max_cache_len), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        for layer in self.cache.layers:
-            layer.cumulative_length.copy_(cache_position[0])
+        if self.counted:
+            for layer in self.cache.layers:
+                layer.cumulative_length.copy_(cache_position[0])
         attention_mask = (self.kv_positions <= cache_position[-1]).view(1, 1, 1, -1)
         position_ids = cache_position.unsqueeze(0)
         decoder = self.model.model
         hidden = decoder.embed_tokens(input_ids)
         position_embeddings = decoder.rotary_emb(hidden, position_ids)
         cache_arg = {self.cache_kwarg: self.cache}
+        if not self.counted:
+            cache_arg["cache_position"] = cache_position
         for layer in decoder.layers:
             hidden = layer(
                 hidden,
@@ -217,13 +221,19 @@ def llama_decode(
     )
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).eval().to(device=device, dtype=dtype)
-    cache = StaticCache(config=config, max_cache_len=max_cache_len)
     head_dim = hidden_size // num_heads
-    cache.early_initialization(batch_size, num_heads, head_dim, dtype, torch.device(device))
+    try:
+        cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    except TypeError:  # transformers 4.5x allocates the layers with the cache, so it needs their sizes
+        cache = StaticCache(
+            config=config, max_batch_size=batch_size, max_cache_len=max_cache_len, device=device, dtype=dtype
+        )
+    else:
+        cache.early_initialization(batch_size, num_heads, head_dim, dtype, torch.device(device))
     for layer in cache.layers:
         layer.keys.normal_()
         layer.values.normal_()
-    # transformers renamed the decoder layers' ``past_key_values`` argument to ``cache`` (5.2x); pass whichever exists.
+    # The decoder layers' cache argument is ``past_key_value`` (4.5x), ``past_key_values``, then ``cache`` (5.2x).
     parameters = inspect.signature(LlamaDecoderLayer.forward).parameters
-    cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+    cache_kwarg = next(name for name in ("cache", "past_key_values", "past_key_value") if name in parameters)
     return LlamaDecodeStep(model, cache, max_cache_len, cache_kwarg).to(device)

@@ -1,0 +1,245 @@
+"""Hugging Face ``generate`` end to end, the way a user serves a model.
+
+``LlamaForCausalLM`` with Llama-3.2-1B's configuration (random weights, bf16, nothing downloaded), greedy
+``model.generate(..., cache_implementation="static", max_new_tokens=100)`` at batch 1, with the model's forward
+replaced by a compiled one. Each variant is timed end to end (ms per ``generate``, tokens per second) in rounds, one
+``generate`` of every variant per round, and its generated tokens are compared with eager's.
+
+Variants:
+
+* ``hf-reduce-overhead``: Hugging Face's own recipe: on a GPU, ``generate`` with a static cache compiles the model's
+  call with ``torch.compile(mode="reduce-overhead", fullgraph=True)`` by itself. Built and run first: when CUDA-graph
+  trees record they free cuBLAS's workspaces, which graphs captured before them may still use.
+* ``eager``: the model as it is, with that automatic compilation switched off (``disable_compile=True``), as it is for
+  every variant below.
+* ``thunder``: ``thunder.jit(model.forward)``.
+* ``thunder+CUDAGraphTransform``: with Thunder's ``CUDAGraphTransform``.
+* ``thunder+cudagraphex``: cudagraphex first in the executors.
+* ``thunder+torchcompile+cudagraphex``: cudagraphex, then Thunder's torch.compile executor (the fused stack for a
+  machine without nvFuser).
+
+The path needs transformers 4.46-4.55 (the range Thunder's Hugging Face recipe supports; setup.cfg pins 4.55.4 for the
+benchmarks): under 5.x, ``thunder.jit`` of ``LlamaForCausalLM.forward`` fails. Without a GPU the same code runs a tiny
+configuration in float32 with cudagraphex's CPU replay backend (the suite's tests).
+
+Run: ``python -m benchmarks.generate [--new-tokens 100] [--rounds 5] [--variants a,b]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["VARIANTS", "Row", "llama_1b_config", "run"]
+
+VARIANTS = (
+    "hf-reduce-overhead",
+    "eager",
+    "thunder",
+    "thunder+CUDAGraphTransform",
+    "thunder+cudagraphex",
+    "thunder+torchcompile+cudagraphex",
+)
+
+
+@dataclass
+class Row:
+    variant: str
+    #: Median over the timed rounds, or None where the variant failed.
+    ms_per_generate: float | None
+    tokens_per_s: float | None
+    #: How many of the generated tokens, from the first, equal eager's.
+    equal_tokens: int
+    new_tokens: int
+    setup_s: float
+    error: str | None = None
+
+
+def llama_1b_config(tiny: bool = False):
+    """Llama-3.2-1B's configuration (``tiny``: 2 layers of width 64, vocabulary 256, for the CPU)."""
+    from transformers import LlamaConfig
+
+    rope = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    if tiny:
+        return LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=8192,
+            rope_scaling=rope,
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+            initializer_range=0.5,  # random weights of the usual scale generate one token over and over
+        )
+    return LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_scaling=rope,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    )
+
+
+def _forward_of(variant: str, model: torch.nn.Module, cudagraphex_executor) -> Callable:
+    """The forward ``variant`` gives ``model`` (the model's own for eager and Hugging Face's recipe)."""
+    if variant in ("eager", "hf-reduce-overhead"):
+        return model.forward
+    import thunder
+
+    defaults = list(thunder.get_default_executors())
+    if variant == "thunder":
+        return thunder.jit(model.forward)
+    if variant == "thunder+CUDAGraphTransform":
+        from thunder.transforms.cudagraph import CUDAGraphTransform
+
+        return thunder.jit(model.forward, transforms=[CUDAGraphTransform()])
+    if variant == "thunder+cudagraphex":
+        return thunder.jit(model.forward, executors=[cudagraphex_executor, *defaults])
+    if variant == "thunder+torchcompile+cudagraphex":
+        from thunder.executors.torch_compile import torch_compile_ex
+
+        return thunder.jit(model.forward, executors=[cudagraphex_executor, torch_compile_ex, *defaults])
+    raise ValueError(f"unknown variant {variant!r}; the variants: {', '.join(VARIANTS)}")
+
+
+def run(
+    variants: Sequence[str] = VARIANTS,
+    *,
+    new_tokens: int = 100,
+    rounds: int = 5,
+    prompt_tokens: int = 16,
+    device: torch.device | None = None,
+    log: Callable[[str], None] = print,
+) -> list[Row]:
+    """Builds the model once, gives it each variant's forward in turn, and times ``generate`` in rounds.
+
+    Each variant first runs two ``generate`` calls (compilation, warm-up, capture), whose tokens are the ones compared
+    with eager's. A variant that fails gets a row with its error; the others go on.
+    """
+    from transformers import LlamaForCausalLM
+
+    from benchmarks.suite import emulated_executor
+    from cudagraphex import cudagraphex
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device.type == "cuda"
+    executor = cudagraphex if on_gpu else emulated_executor("cudagraphex_generate")
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    model = LlamaForCausalLM(llama_1b_config(tiny=not on_gpu)).to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), device=device)
+    options = {"do_sample": False, "cache_implementation": "static", "max_new_tokens": new_tokens, "pad_token_id": 0}
+    own_forward = model.forward
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize(device)
+
+    def generate(variant: str, forward: Callable) -> torch.Tensor:
+        model.forward = forward
+        try:
+            return model.generate(prompt, disable_compile=variant != "hf-reduce-overhead", **options)[0, prompt_tokens:]
+        finally:
+            model.forward = own_forward
+
+    # reduce-overhead first (module docstring); eager always, for the tokens every variant is compared with
+    order = [v for v in VARIANTS if v in variants or v == "eager"]
+    forwards: dict[str, Callable] = {}
+    rows: dict[str, Row] = {}
+    generated: dict[str, torch.Tensor] = {}
+    for variant in order:
+        start = time.perf_counter()
+        try:
+            forward = _forward_of(variant, model, executor)
+            generate(variant, forward)
+            generated[variant] = generate(variant, forward)
+            sync()
+        except Exception as e:  # noqa: BLE001 - recorded; the other variants go on
+            error = f"{type(e).__name__}: {e}".splitlines()[0]
+            rows[variant] = Row(variant, None, None, 0, new_tokens, time.perf_counter() - start, error)
+            log(f"{variant}: failed: {error}")
+            continue
+        forwards[variant] = forward
+        rows[variant] = Row(variant, None, None, 0, new_tokens, time.perf_counter() - start)
+        log(f"{variant}: set up in {rows[variant].setup_s:.1f} s")
+    if "eager" not in generated:
+        raise RuntimeError(f"eager generate failed: {rows['eager'].error}")
+    for variant, tokens in generated.items():
+        rows[variant].equal_tokens = int((tokens == generated["eager"]).int().cumprod(0).sum())
+
+    times: dict[str, list[float]] = {v: [] for v in forwards}
+    for _ in range(rounds):
+        for variant, forward in forwards.items():
+            sync()
+            start = time.perf_counter()
+            generate(variant, forward)
+            sync()
+            times[variant].append(time.perf_counter() - start)
+    for variant, samples in times.items():
+        ms = statistics.median(samples) * 1e3
+        rows[variant].ms_per_generate = ms
+        rows[variant].tokens_per_s = new_tokens / ms * 1e3
+    return [rows[v] for v in order if v in rows]
+
+
+def table(rows: Sequence[Row]) -> str:
+    eager = next((r.ms_per_generate for r in rows if r.variant == "eager"), None)
+    lines = [
+        "| variant | ms per generate | tokens/s | x eager | tokens equal to eager's | setup s | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ms = "–" if r.ms_per_generate is None else f"{r.ms_per_generate:.1f}"
+        rate = "–" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}"
+        ratio = "–" if r.ms_per_generate is None or not eager else f"{r.ms_per_generate / eager:.2f}"
+        lines.append(
+            f"| {r.variant} | {ms} | {rate} | {ratio} | {r.equal_tokens}/{r.new_tokens} | {r.setup_s:.1f} |"
+            f" {r.error or ''} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.generate",
+        description=__doc__.split("\n\n")[0],
+        epilog="variants: " + ", ".join(VARIANTS),
+    )
+    parser.add_argument("--variants", help="comma-separated (names below); default all")
+    parser.add_argument("--new-tokens", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    variants = VARIANTS if args.variants is None else tuple(args.variants.split(","))
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; the variants: {', '.join(VARIANTS)}")
+    rows = run(variants, new_tokens=args.new_tokens, rounds=args.rounds)
+    print(table(rows))
+    return 1 if any(r.error for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
