@@ -141,11 +141,13 @@ def _versions() -> dict[str, str]:
 
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     versions["thunder"] = getattr(thunder, "__version__", "unknown")
-    for package in ("cudagraphex", "transformers"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = "not installed"
+    import cudagraphex
+
+    versions["cudagraphex"] = cudagraphex.__version__  # imported from the tree, installed or not
+    try:
+        versions["transformers"] = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        versions["transformers"] = "not installed"
     versions["cudagraphex_commit"] = _commit()
     return versions
 

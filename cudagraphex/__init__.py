@@ -7,6 +7,8 @@ from cudagraphex.runtime import ParameterMovedError, StrictModeError
 from cudagraphex.step import StepGraph, StepReport, graph_step
 from cudagraphex.trusted_parameters import PruneParameterChecks
 
+__version__ = "0.1.0"
+
 __all__ = [
     "CUDAGraphExecutor",
     "CUDAGraphTransform",

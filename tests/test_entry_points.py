@@ -509,3 +509,11 @@ def test_explain_reports_pool_memory_on_the_gpu():
         for _ in range(3):
             jm(torch.randn(64, 256, device="cuda"))
     assert explain(jm).pool_bytes > 0
+
+
+def test_the_version_is_the_packages():
+    from importlib import metadata
+
+    import cudagraphex
+
+    assert cudagraphex.__version__ == metadata.version("cudagraphex")
