@@ -42,6 +42,9 @@ class Record:
     peak_mem_bytes: int | None = None
     #: Like ``peak_mem_bytes``, for memory reserved by the caching allocator (graph pools hold freed blocks there).
     peak_reserved_bytes: int | None = None
+    #: The peak of allocated memory over steady-state calls alone (after the setup: warm-up, captures, the check),
+    #: from the same base as ``peak_mem_bytes``.
+    steady_peak_mem_bytes: int | None = None
     setup_s: float | None = None
     correct: bool | None = None
     error: str | None = None
@@ -130,6 +133,7 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
         "checks µs",
         *REFERENCES.values(),
         "peak MiB",
+        "steady peak MiB",
         "reserved MiB",
         "setup s",
         "correct",
@@ -147,6 +151,7 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
             _num(r.get("checks_us"), ".1f"),
             *ratios,
             _mib(r.get("peak_mem_bytes")),
+            _mib(r.get("steady_peak_mem_bytes")),
             _mib(r.get("peak_reserved_bytes")),
             _num(r.get("setup_s"), ".2f"),
             "–" if correct is None else ("yes" if correct else "NO"),

@@ -16,7 +16,8 @@ variant, mode after mode:
   built its model: the model, its gradients and optimizer state, activations, workspaces and graph pools (and what
   the compiled object keeps from the modes measured before), and nothing of the other variants. (With interleaved
   timing, cuBLAS's workspaces are released before the workload's first variant only, so a variant's peak leaves out a
-  workspace that a variant set up before it allocated.)
+  workspace that a variant set up before it allocated.) ``steady_peak_mem_bytes``: the same over those few calls
+  alone, after the setup (warm-up, captures and the correctness check): a setup that peaks above it shows there.
 * ``median_us``: timed after every variant of the workload has been set up and checked, mode by mode, in rounds:
   each round times one block of calls of every variant, in the order they were set up, so that this VM's drift
   (±50% between runs, minutes apart) affects all variants alike. A block is long enough to last ``rep_target_s``
@@ -587,11 +588,17 @@ class Suite:
                 record.median_us = device_time_per_call_us(case.call, self.options.profile_calls)
                 notes.append("GPU time (kernels, memcpy, memset) of the eager call, from torch.profiler")
             elif self.device.type == "cuda":
+                setup_peak = torch.cuda.max_memory_allocated(self.device)
+                setup_reserved = torch.cuda.max_memory_reserved(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
                 for _ in range(MEMORY_CALLS):
                     case.call()
                 self._sync()
-                record.peak_mem_bytes = torch.cuda.max_memory_allocated(self.device) - base.allocated
-                record.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device) - base.reserved
+                steady_peak = torch.cuda.max_memory_allocated(self.device)
+                record.steady_peak_mem_bytes = steady_peak - base.allocated
+                record.peak_mem_bytes = max(setup_peak, steady_peak) - base.allocated
+                reserved = max(setup_reserved, torch.cuda.max_memory_reserved(self.device))
+                record.peak_reserved_bytes = reserved - base.reserved
             if record.variant in (*GRAPH_VARIANTS, "thunder+CUDAGraphTransform"):
                 key = (record.workload, record.mode, record.variant)
                 self._in_graphs[key] = in_graphs_fractions(case.call, self._sync, self.options)

@@ -95,6 +95,7 @@ def _fake_records():
             "variant": v,
             "median_us": t,
             "peak_mem_bytes": 3 * 2**20,
+            "steady_peak_mem_bytes": 2 * 2**20,
             "setup_s": 0.5,
             "correct": True,
             "error": None,
@@ -149,7 +150,7 @@ def test_writers_show_ratios_to_both_references(tmp_path):
     assert rows[("train_step", "eager")]["x CUDAGraphTransform"] == "–"  # no reference in that mode
     failed = rows[("train_step", "torch.compile")]
     assert failed["median µs"] == "–" and failed["error"] == "RuntimeError: boom / bang"
-    assert eager["peak MiB"] == "3"
+    assert eager["peak MiB"] == "3" and eager["steady peak MiB"] == "2"
 
     md = paths["md"].read_text()
     assert "| mlp16x256-b8 | inference | eager | 300.0 | – | – | 3.00 | 1.50 |" in md
