@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from benchmarks.report import Record
+from benchmarks.report import Record, full_error, short_error
 
 __all__ = [
     "K_VALUES",
@@ -136,7 +136,6 @@ def run_micro(
     are recorded per measurement, and their whole tracebacks go to ``log``; the breakdown holds None where its inputs
     are missing.
     """
-    from benchmarks.suite import full_error, short_error
 
     records: list[Record] = []
     # (key, function, k, whether the graph reads its inputs in place)

@@ -50,7 +50,7 @@ def _show(
 ) -> list[str]:
     import thunder
 
-    from benchmarks.suite import full_error
+    from benchmarks.report import full_error
     from benchmarks.workloads import TRAINING_MODES, WORKLOADS, transformers_available
     from cudagraphex import explain
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,28 @@ from typing import Any
 __all__ = [
     "REFERENCES",
     "Record",
+    "full_error",
     "host_breakdown_text",
     "markdown_table",
     "ratio",
     "results_basename",
+    "short_error",
     "write_chart",
     "write_results",
 ]
+
+
+def short_error(e: BaseException) -> str:
+    """The first line of ``e``, after its type: what a record's ``error`` holds."""
+    lines = str(e).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(e).__name__}: {first}"[:240]
+
+
+def full_error(e: BaseException) -> str:
+    """The whole traceback of ``e``, with its chained exceptions, as Python prints it."""
+    return "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip()
+
 
 #: The variants times are divided by, with the column titles of their ratios.
 REFERENCES = {"manual-graph": "x manual-graph", "thunder+CUDAGraphTransform": "x CUDAGraphTransform"}

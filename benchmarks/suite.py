@@ -47,7 +47,6 @@ import contextlib
 import gc
 import statistics
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks.micro import MICRO_MEASUREMENTS, MICRO_WORKLOAD, run_micro
-from benchmarks.report import Record
+from benchmarks.report import Record, full_error, short_error
 from benchmarks.variants import (
     GRAPH_VARIANTS,
     VARIANTS,
@@ -81,7 +80,6 @@ __all__ = [
     "emulated_executor",
     "expected_failure",
     "free_memory",
-    "full_error",
     "in_graphs_fractions",
     "prepare",
     "time_per_call_us",
@@ -309,17 +307,6 @@ def in_graphs_fractions(call: Callable[[], None], sync: Callable[[], None], opti
             setattr(cls, name, method)
     checks = max(0.0, inside["regions"] - inside["replays"])
     return InGraphs(runners=min(1.0, inside["runners"] / total_s), checks=min(1.0, checks / total_s))
-
-
-def short_error(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    first = lines[0] if lines else ""
-    return f"{type(e).__name__}: {first}"[:240]
-
-
-def full_error(e: BaseException) -> str:
-    """The whole traceback of ``e``, with its chained exceptions, as Python prints it."""
-    return "".join(traceback.format_exception(type(e), e, e.__traceback__)).rstrip()
 
 
 #: How a task skipped for the time budget starts its error (not a failure: ``--merge`` measures it later).
