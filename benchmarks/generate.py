@@ -72,6 +72,7 @@ def llama_1b_config(tiny: bool = False):
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
+    shared = {"rope_scaling": rope, "rope_theta": 500000.0, "tie_word_embeddings": True}
     if tiny:
         return LlamaConfig(
             hidden_size=64,
@@ -81,10 +82,8 @@ def llama_1b_config(tiny: bool = False):
             num_key_value_heads=2,
             vocab_size=256,
             max_position_embeddings=16384,  # above the rope scaling's original 8192, as the real config's
-            rope_scaling=rope,
-            rope_theta=500000.0,
-            tie_word_embeddings=True,
             initializer_range=0.5,  # random weights of the usual scale generate one token over and over
+            **shared,
         )
     return LlamaConfig(
         hidden_size=2048,
@@ -95,10 +94,8 @@ def llama_1b_config(tiny: bool = False):
         head_dim=64,
         vocab_size=128256,
         max_position_embeddings=131072,
-        rope_scaling=rope,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
         rms_norm_eps=1e-5,
+        **shared,
     )
 
 

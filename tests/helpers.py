@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -79,6 +81,24 @@ def assert_grads_close(module: torch.nn.Module, reference: torch.nn.Module, **kw
             assert p.grad is None and r.grad is None, name
             continue
         torch.testing.assert_close(p.grad, r.grad, msg=lambda m, name=name: f"grad of {name}: {m}", **kwargs)
+
+
+def errors_in_threads(worker: Callable[[int], None], seeds: tuple[int, ...] = (1, 2)) -> list[str]:
+    """Runs ``worker(seed)`` in one thread per seed, all at once; returns what each raised, as ``repr``."""
+    errors: list[str] = []
+
+    def run(seed: int) -> None:
+        try:
+            worker(seed)
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
 
 
 def install_cuda_device_guard() -> None:

@@ -23,6 +23,7 @@ from cudagraphex.static_inputs import InputKind
 from tests.helpers import (
     assert_grads_close,
     emulated,
+    errors_in_threads,
     jit,
     num_graphs,
     protection_off,
@@ -983,28 +984,17 @@ def test_option_validation_bites(monkeypatch):
 
 
 def test_two_threads_each_with_its_own_function(backend):
-    errors = []
-
     def worker(seed):
-        try:
-            g = torch.Generator().manual_seed(seed)
-            model = mlp(4, 32).to(backend.device).eval()
-            jm = jit(model, backend.executor)
-            with torch.no_grad():
-                for _ in range(20):
-                    x = torch.randn(8, 32, generator=g).to(backend.device)
-                    out = jm(x)
-                    if not torch.allclose(out, model(x), atol=1e-5):
-                        errors.append("wrong result")
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
+        g = torch.Generator().manual_seed(seed)
+        model = mlp(4, 32).to(backend.device).eval()
+        jm = jit(model, backend.executor)
+        with torch.no_grad():
+            for _ in range(20):
+                x = torch.randn(8, 32, generator=g).to(backend.device)
+                out = jm(x)
+                assert torch.allclose(out, model(x), atol=1e-5), "wrong result"
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert errors_in_threads(worker) == []
 
 
 @pytest.mark.cuda
