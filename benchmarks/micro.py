@@ -9,7 +9,7 @@ graph read them in place), replayed three ways on the same captured graph, and i
 (b) ``region call``: the ``GraphedRegion`` called directly with the region's inputs (guards, the batched input copy,
     the liveness check, the replay, handing out the outputs);
 (c) ``graph.replay``: ``torch.cuda.CUDAGraph.replay()`` alone;
-(d) ``input copy``, for the k copied inputs: the copy the region call launches (``_Instance.copy_in``: one
+(d) ``input copy``, for the k copied inputs: the copy the region call launches (``Instance.copy_in``: one
     ``copy_`` for one input, one ``torch._foreach_copy_`` for more), alone. Any runner pays it for inputs that are
     not where the graph reads them, and it is the part of (b) that depends most on how fast the host launches work.
 
@@ -249,7 +249,7 @@ def _prepare(
             graph.replay(args)
 
     calls = {"thunder call": thunder_call, "region call": region_call, "graph.replay": replay}
-    # What the region call does with its copied inputs: the method ``_Instance.replay`` calls.
+    # What the region call does with its copied inputs: the method ``Instance.replay`` calls.
     instance = region.instances[0]
     if instance.buffers:
         copied = list(instance.pick_copied(args))

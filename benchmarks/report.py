@@ -265,7 +265,7 @@ def host_breakdown_text(breakdown: Mapping[str, Any]) -> str:
     labels = {
         "cudagraphex_overhead_per_region_us": "cudagraphex host cost per region (region call - graph.replay, k=1)",
         "per_region_read_in_place_us": "the same, its input read in place (no copy)",
-        "input_copy_us": "of the first, the launch of its one input copy alone (_Instance.copy_in)",
+        "input_copy_us": "of the first, the launch of its one input copy alone (Instance.copy_in)",
         "per_copied_input_us": "per copied input (slope over k)",
         "per_copied_input_copy_us": "of it, the input copy's alone (slope over k)",
         "per_returned_output_us": "per returned output (the 100-output region over the 1-output one)",

@@ -275,7 +275,8 @@ def in_graphs_fractions(call: Callable[[], None], sync: Callable[[], None], opti
     wrapped in timers, which add well under a microsecond per runner call."""
     from thunder.transforms.cudagraph import CUDAGraphRunner
 
-    from cudagraphex.runtime import GraphedRegion, _Instance
+    from cudagraphex.runtime import GraphedRegion
+    from cudagraphex.runtime.instance import Instance
 
     inside = {"runners": 0.0, "replays": 0.0, "regions": 0.0}
 
@@ -295,7 +296,7 @@ def in_graphs_fractions(call: Callable[[], None], sync: Callable[[], None], opti
     patched = {
         (GraphedRegion, "__call__"): ("runners", "regions"),
         (CUDAGraphRunner, "call_cuda_graph"): ("runners",),
-        (_Instance, "replay"): ("replays",),
+        (Instance, "replay"): ("replays",),
     }
     originals = {target: getattr(*target) for target in patched}
     for (cls, name), counters in patched.items():

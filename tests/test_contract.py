@@ -17,8 +17,10 @@ import torch
 from thunder.extend import OperatorExecutor, register_executor
 
 from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
-from cudagraphex import CUDAGraphExecutor, StrictModeError, explain, runtime
+from cudagraphex import CUDAGraphExecutor, StrictModeError, explain
 from cudagraphex.capture import is_capturing
+from cudagraphex.runtime.handout import sharing_one_version
+from cudagraphex.runtime.liveness import Liveness
 from cudagraphex.static_inputs import InputKind
 from tests.helpers import (
     assert_grads_close,
@@ -252,9 +254,9 @@ def test_saved_tensors_are_handed_out_as_their_anchors():
     (forward,) = regions(jm, emulated, "forward")
     (inst,) = forward.instances
     names = forward.info.output_names
-    handed_as_anchor = {names[i] for i, t in enumerate(inst.template) if t is not None}
+    handed_as_anchor = {names[i] for i, t in enumerate(inst.handout.template) if t is not None}
     assert handed_as_anchor and handed_as_anchor.isdisjoint(forward.info.returned)
-    assert {names[i] for i, _ in inst.unshared + inst.detached} == set(forward.info.returned)
+    assert {names[i] for i, _ in inst.handout.unshared + inst.handout.detached} == set(forward.info.returned)
 
 
 def scatter_rows(x, index):
@@ -301,8 +303,8 @@ def test_outputs_sharing_a_storage_share_a_version_counter(backend, kept):
         del y, flat, loss  # unless kept, released before the next call, which then replays and aliases again
     (region,) = regions(jf, backend.executor)
     inst = region.instances[-1]
-    assert (len(inst.storage_copies), len(inst.detached)) == ((1, 0) if kept else (0, 2))
-    assert not inst.unshared and inst.replays >= 2
+    assert (len(inst.handout.storage_copies), len(inst.handout.detached)) == ((1, 0) if kept else (0, 2))
+    assert not inst.handout.unshared and inst.replays >= 2
 
 
 class _ReturnsAViewOfItsWeight(torch.nn.Module):
@@ -338,7 +340,7 @@ def test_output_that_views_a_parameter_shares_its_version_counter(backend):
         del y, weight_view, loss
     (region,) = regions(jm, backend.executor)
     (inst,) = region.instances
-    assert len(inst.aliased) == 1 and inst.replays >= 2
+    assert len(inst.handout.aliased) == 1 and inst.replays >= 2
 
 
 def test_output_that_views_a_parameter_as_another_dtype_keeps_that_dtype(backend):
@@ -352,7 +354,7 @@ def test_output_that_views_a_parameter_as_another_dtype_keeps_that_dtype(backend
         del bits
     (region,) = regions(jm, backend.executor)
     (inst,) = region.instances
-    assert len(inst.aliased) == 1 and inst.replays >= 2
+    assert len(inst.handout.aliased) == 1 and inst.replays >= 2
 
 
 class _ReturnsItsWeightTransposed(torch.nn.Module):
@@ -414,7 +416,7 @@ def test_copies_of_outputs_of_several_dtypes_on_one_storage():
     float64 view of two of three float32s; Thunder 0.2.6 cannot trace one, so the helper is called directly)."""
     storage = torch.arange(3, dtype=torch.float32).untyped_storage()
     members = [(0, torch.empty(3), ((3,), (1,), 0)), (1, torch.empty(1, dtype=torch.float64), ((1,), (1,), 0))]
-    rebuilt = dict(runtime._sharing_one_version(storage, members))
+    rebuilt = dict(sharing_one_version(storage, members))
     assert torch.equal(rebuilt[0], torch.arange(3.0)) and rebuilt[1].dtype == torch.float64
     assert rebuilt[1].data_ptr() == rebuilt[0].data_ptr()
     version = rebuilt[1]._version
@@ -449,16 +451,16 @@ def test_an_output_alone_on_its_storage_is_handed_out_as_a_new_alias(backend):
         del out  # released before the next call, so that it replays and hands out an alias again
     (region,) = regions(jf, backend.executor)
     (inst,) = region.instances
-    ((_, anchor),) = inst.unshared
+    ((_, anchor),) = inst.handout.unshared
     out = jf(x)
     assert out is not anchor and out.data_ptr() == anchor.data_ptr() and not out.requires_grad
-    assert not anchor.requires_grad and not inst.detached and inst.replays >= 3
+    assert not anchor.requires_grad and not inst.handout.detached and inst.replays >= 3
 
 
 def test_saved_anchor_liveness_bites(monkeypatch):
     """Storage use counts do not see a saved tensor handed out as its anchor: its own reference counts must."""
     assert two_forward_grads_match(emulated)
-    monkeypatch.setattr(runtime._Instance, "direct_unreferenced", lambda self: True)
+    monkeypatch.setattr(Liveness, "direct_unreferenced", lambda self: True)
     assert not two_forward_grads_match(emulated)
 
 

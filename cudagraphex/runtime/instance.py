@@ -1,0 +1,176 @@
+"""One captured graph of a region: its guards, its capture, and its replay.
+
+Invariants
+==========
+
+Guards
+    An instance is replayed only for calls whose copied inputs and caller's tensors read in place have the dtype,
+    shape, strides, device, ``requires_grad`` and dispatch keys they had at capture (one C++ ``TensorGuards`` call),
+    whose host values equal the captured ones, and whose static inputs (and tensors read in place) are at the captured
+    addresses (one C++ compare). A call that fails them goes to the region's slow path.
+
+Replay
+    A replay copies the copied inputs into the instance's buffers (one batched copy), replays the graph, bumps the
+    version counters of the inputs it wrote where they are (as eager's in-place ops do, so that autograd sees the
+    writes), copies back the buffers of written copied inputs, and hands out the outputs (``handout``). The region
+    checks ``liveness`` before it replays.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._C._dynamo.guards import TensorGuards
+
+from cudagraphex._protections import PROTECTIONS
+from cudagraphex.capture import EmulatedGraph, unexpand
+from cudagraphex.runtime.handout import Handout
+from cudagraphex.runtime.liveness import Liveness, Pool
+from cudagraphex.runtime.staging import input_buffer, picker
+from cudagraphex.static_inputs import InputKind
+
+if TYPE_CHECKING:
+    from cudagraphex.runtime.region import GraphedRegion
+
+__all__ = ["Instance"]
+
+_ptrs_equal = torch._C._tensors_data_ptrs_at_indices_equal
+
+
+class Instance:
+    """One captured graph of a region, for one input signature and one set of static addresses."""
+
+    def __init__(
+        self,
+        region: GraphedRegion,
+        key: tuple,
+        args: Sequence[torch.Tensor],
+        pool: Pool,
+        read_in_place: frozenset[int] = frozenset(),
+    ) -> None:
+        """Captures the region for ``args`` into ``pool``. Raises :class:`~cudagraphex.capture.CaptureFailed` where
+        the capture fails."""
+        # A tensor input that is None at run time (flash attention's cum_seq_q outside varlen) is a host value here.
+        kinds = [InputKind.HOST_VALUE if a is None else kind for kind, a in zip(region.kinds, args, strict=True)]
+        # Dropout RNG state that an eager run left in host memory is copied to the device, where a graph reads it.
+        for i in region.rng_state_idx:
+            if args[i] is not None and args[i].device != region.device:
+                kinds[i] = InputKind.COPIED
+                read_in_place -= {i}
+        n = len(args)
+        self.region = region
+        self.key = key
+        self.pool = pool
+        #: Caller's tensors this graph reads where they were at capture (see ``staging``).
+        self.read_in_place = sorted(read_in_place)
+        self.static = [i for i in range(n) if kinds[i].is_static or i in read_in_place]
+        self.static_ptrs: list[int | None] = [None] * n
+        for i in self.static:
+            self.static_ptrs[i] = args[i].data_ptr()
+        copied = [i for i in range(n) if kinds[i].is_copied and i not in read_in_place]
+        self.values = [(i, args[i]) for i in range(n) if kinds[i] is InputKind.HOST_VALUE]
+        self.copied_meta = [(i, args[i].shape, args[i].stride(), args[i].dtype) for i in copied]
+        # The layout of an input read in place is checked like a copied input's: nothing upstream checks strides.
+        guarded = copied + self.read_in_place
+        self.guard = (
+            TensorGuards(
+                *(args[i] for i in guarded),
+                dynamic_dims_sizes=[list(args[i].shape) for i in guarded],
+                dynamic_dims_strides=[list(args[i].stride()) for i in guarded],
+            )
+            if guarded
+            else None
+        )
+        self.pick_guarded = picker(guarded)
+        self.num_copied = len(copied)
+        self.pick_copied = picker(copied)
+        graph_args = list(args)
+        #: Per copied input, the buffer the graph reads it from, and the dims along which it is expanded (its buffer
+        #: holds one element along each).
+        self.buffers: list[torch.Tensor] = []
+        self.expanded_dims: list[tuple[int, ...]] = []
+        for i in copied:
+            buf, graph_args[i], expanded = input_buffer(args[i], region.device)
+            buf.copy_(unexpand(args[i], expanded))
+            self.buffers.append(buf)
+            self.expanded_dims.append(expanded)
+        self.any_expanded = any(self.expanded_dims)
+        self.copy_back = [(i, buf) for i, buf in zip(copied, self.buffers, strict=True) if i in region.mutated_idx]
+        #: Inputs the graph writes where they are; the copy-back bumps the version counters of the others.
+        self.written_in_place = [i for i in self.static if i in region.mutated_idx]
+
+        before = region.backend.reserved_bytes(region.device)
+        start = time.perf_counter()
+        self.graph, outputs = region.backend.capture(
+            region.fn,
+            graph_args,
+            pool=pool.handle,
+            device=region.device,
+            static=self.static,
+            mutated=sorted(region.mutated_idx),
+        )
+        #: Per tensor input, the tensor the graph read: the caller's tensor (static, read in place) or its buffer.
+        read = {i: graph_args[i] for i in self.static + copied}
+        # The views of input buffers in graph_args (expanded inputs) must not count in the liveness baselines below.
+        del graph_args
+        self.emulated = isinstance(self.graph, EmulatedGraph)
+        self.capture_seconds = time.perf_counter() - start
+        self.pool_bytes = region.backend.reserved_bytes(region.device) - before
+        self.replays = 0
+        info = region.info
+        self.handout = Handout(outputs, args, read, info.output_names, info.input_names, info.returned)
+        self.handout.plan(region.copy_output)
+        del outputs, read
+        region.graphs.direct_anchors.update(id(a) for a in self.handout.direct)
+        # Taken while nothing but anchors and input buffers references the output storages, and once every structure
+        # of ours that references an anchor handed out as itself exists (those structures never change).
+        self.liveness = Liveness(self, self.handout)
+
+    def fitting_copied_inputs(self, args: Sequence[Any]) -> tuple[torch.Tensor, ...] | None:
+        """The copied inputs of ``args`` if ``args`` have the layout of this instance's copied inputs and of those it
+        reads in place, its host values and its static addresses; None otherwise. Reads no protection switch: the slow
+        path, which a None sends the call to, does."""
+        guarded = self.pick_guarded(args)
+        if self.guard is not None and not self.guard.check(*guarded):
+            return None
+        for i, value in self.values:
+            if args[i] != value:
+                return None
+        if self.static and not _ptrs_equal(list(args), self.static_ptrs, self.static):
+            return None
+        return guarded[: self.num_copied]  # the copied inputs come first (the whole tuple itself when all are copied)
+
+    def statics_match(self, args: Sequence[torch.Tensor]) -> bool:
+        if not self.static or not PROTECTIONS["static_address_guard"]:
+            return True
+        return _ptrs_equal(list(args), self.static_ptrs, self.static)
+
+    def moved(self, args: Sequence[torch.Tensor]) -> list[int]:
+        return [i for i in self.static if args[i].data_ptr() != self.static_ptrs[i]]
+
+    def copy_in(self, copied: Sequence[torch.Tensor]) -> None:
+        """Copies ``copied`` into the buffers the graph reads them from: one ``copy_`` for one input, one
+        ``torch._foreach_copy_`` for more."""
+        if self.any_expanded:
+            copied = [unexpand(a, dims) for a, dims in zip(copied, self.expanded_dims, strict=True)]
+        if len(self.buffers) == 1:  # a third cheaper than a foreach of one on the CPU host, as cheap on the H200 host
+            self.buffers[0].copy_(copied[0])
+        elif self.buffers:
+            torch._foreach_copy_(self.buffers, copied)
+
+    def replay(self, args: Sequence[torch.Tensor], copied: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Copies ``copied`` (the copied inputs of ``args``) into the graph, replays it and hands out its outputs."""
+        self.copy_in(copied)
+        if self.emulated:
+            self.graph.replay(args)
+        else:
+            self.graph.replay()
+            if self.written_in_place:  # as eager's in-place ops do, so that autograd sees the writes
+                torch.autograd.graph.increment_version([args[i] for i in self.written_in_place])
+        if self.copy_back and PROTECTIONS["copy_back_mutated_inputs"]:
+            torch._foreach_copy_([args[i] for i, _ in self.copy_back], [buf for _, buf in self.copy_back])
+        self.replays += 1
+        return self.handout.outputs(args)
