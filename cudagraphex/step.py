@@ -65,12 +65,13 @@ from torch.utils import _pytree as pytree
 
 from cudagraphex import capture as _capture
 from cudagraphex.runtime import StrictModeError
+from cudagraphex.runtime.guards import addresses_equal, layout_guard
+from cudagraphex.runtime.staging import picker
 from cudagraphex.step_io import (
     argument_problem,
     handed_out,
     host_values,
     output_problem,
-    picker,
     shared_storage,
     signature,
     storages,
@@ -90,8 +91,6 @@ from cudagraphex.step_state import (
 __all__ = ["StepGraph", "StepReport", "graph_step"]
 
 logger = logging.getLogger("cudagraphex")
-
-_ptrs_equal = torch._C._tensors_data_ptrs_at_indices_equal
 
 
 @dataclass
@@ -229,7 +228,7 @@ class StepGraph:
         present = [current[i] for i in graph.state_idx]
         if graph.state_guard is not None and not graph.state_guard.check(*present):
             return False
-        if present and not _ptrs_equal(present, graph.state_ptrs, graph.ptr_idx):
+        if present and not addresses_equal(present, graph.state_ptrs, graph.ptr_idx):
             return False
         return same_hyperparameters(slots.hyperparameters(), graph.hyperparameters)
 
@@ -327,13 +326,7 @@ class StepGraph:
         ]
         for buf, i in zip(graph.buffers, tensor_idx, strict=True):
             buf.copy_(flat[i])
-        if tensor_idx:
-            guarded = [flat[i] for i in tensor_idx]
-            graph.arg_guard = TensorGuards(
-                *guarded,
-                dynamic_dims_sizes=[list(a.shape) for a in guarded],
-                dynamic_dims_strides=[list(a.stride()) for a in guarded],
-            )
+        graph.arg_guard = layout_guard([flat[i] for i in tensor_idx])
         versions = [buf._version for buf in graph.buffers]
         call_flat = list(flat)
         for buf, i in zip(graph.buffers, tensor_idx, strict=True):
@@ -373,15 +366,7 @@ class StepGraph:
         graph.state_ptrs = [t.data_ptr() for t in present]
         graph.ptr_idx = list(range(len(present)))
         graph.state_storages = storages(present)
-        graph.state_guard = (
-            TensorGuards(
-                *present,
-                dynamic_dims_sizes=[list(t.shape) for t in present],
-                dynamic_dims_strides=[list(t.stride()) for t in present],
-            )
-            if present
-            else None
-        )
+        graph.state_guard = layout_guard(present)
         moved = unsettled(before, after)
         self._report.not_captured = None
         logger.info(

@@ -10,8 +10,7 @@ always a new tensor, so a later replay never overwrites what a caller keeps.
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -24,7 +23,6 @@ __all__ = [
     "handed_out",
     "host_values",
     "output_problem",
-    "picker",
     "shared_storage",
     "signature",
     "storages",
@@ -72,15 +70,6 @@ def output_problem(flat_out: list, known: list) -> str | None:
         if o is not None and id(o) in ids:
             return "the step returns one of its arguments or state tensors, not a new tensor"
     return None
-
-
-def picker(indices: list[int]) -> Callable[[list], tuple]:
-    if len(indices) > 1:
-        return operator.itemgetter(*indices)
-    if indices:
-        only = indices[0]
-        return lambda flat: (flat[only],)
-    return lambda flat: ()
 
 
 def signature(flat: list, spec: Any) -> tuple:

@@ -4,6 +4,7 @@ The executor builds one :class:`GraphedRegion` per region (``region``). A call o
 captured instances (``instance``) when that instance's guards hold, or captures one, or runs the region eagerly. The
 units, each with its invariants at its top:
 
+* ``guards``: the fast path's C++ checks of layouts and addresses (step graphs use them too);
 * ``staging``: how a graph gets its inputs (static, read in place, copied into buffers);
 * ``instance``: one captured graph: its guards, capture and replay;
 * ``handout``: how a graph's outputs reach the caller (anchors, aliases, copies, version counters);

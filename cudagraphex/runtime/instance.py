@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._C._dynamo.guards import TensorGuards
 
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.capture import EmulatedGraph, unexpand
+from cudagraphex.runtime.guards import addresses_equal, layout_guard
 from cudagraphex.runtime.handout import Handout
 from cudagraphex.runtime.liveness import Liveness, Pool
 from cudagraphex.runtime.staging import input_buffer, picker
@@ -36,8 +36,6 @@ if TYPE_CHECKING:
     from cudagraphex.runtime.region import GraphedRegion
 
 __all__ = ["Instance"]
-
-_ptrs_equal = torch._C._tensors_data_ptrs_at_indices_equal
 
 
 class Instance:
@@ -75,15 +73,7 @@ class Instance:
         self.copied_meta = [(i, args[i].shape, args[i].stride(), args[i].dtype) for i in copied]
         # The layout of an input read in place is checked like a copied input's: nothing upstream checks strides.
         guarded = copied + self.read_in_place
-        self.guard = (
-            TensorGuards(
-                *(args[i] for i in guarded),
-                dynamic_dims_sizes=[list(args[i].shape) for i in guarded],
-                dynamic_dims_strides=[list(args[i].stride()) for i in guarded],
-            )
-            if guarded
-            else None
-        )
+        self.guard = layout_guard([args[i] for i in guarded])
         self.pick_guarded = picker(guarded)
         self.num_copied = len(copied)
         self.pick_copied = picker(copied)
@@ -139,14 +129,14 @@ class Instance:
         for i, value in self.values:
             if args[i] != value:
                 return None
-        if self.static and not _ptrs_equal(list(args), self.static_ptrs, self.static):
+        if self.static and not addresses_equal(list(args), self.static_ptrs, self.static):
             return None
         return guarded[: self.num_copied]  # the copied inputs come first (the whole tuple itself when all are copied)
 
     def statics_match(self, args: Sequence[torch.Tensor]) -> bool:
         if not self.static or not PROTECTIONS["static_address_guard"]:
             return True
-        return _ptrs_equal(list(args), self.static_ptrs, self.static)
+        return addresses_equal(list(args), self.static_ptrs, self.static)
 
     def moved(self, args: Sequence[torch.Tensor]) -> list[int]:
         return [i for i in self.static if args[i].data_ptr() != self.static_ptrs[i]]
