@@ -254,11 +254,12 @@ class GraphedRegion:
         self.instances.append(inst)
         self.current = inst
         logger.info(
-            "%s: captured graph %d (%s) in %.1f ms%s",
+            "%s: captured graph %d (%s) in %.1f ms, %.1f MiB of memory added%s",
             self.name,
             len(self.instances),
             why,
             inst.capture_seconds * 1e3,
+            inst.pool_bytes / 2**20,
             "" if pool.shared else ", in a pool of its own",
         )
         return inst.replay(args, inst.pick_copied(args))
