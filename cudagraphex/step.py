@@ -303,7 +303,7 @@ class StepGraph:
             raise StrictModeError(message)
         if key is not None:
             self._refused[key] = reason
-        self._report.not_captured = reason
+            self._report.not_captured = reason
         if not self._warned:
             self._warned = True
             warnings.warn(message, stacklevel=4)

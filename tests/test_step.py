@@ -309,6 +309,8 @@ def test_arguments_that_share_memory_are_not_copied_apart(backend):
         _run_both(pair, i, (x, y, *apart[0]), (x, y, *apart[1]))
         pair.check(apart[0], apart[1])
     assert explain(pair.step).replays >= 1
+    calls_with_one_tensor_twice()  # runs as is, once more; the step's graph stays in use for other calls
+    assert explain(pair.step).not_captured is None
 
 
 def test_python_values_passed_to_the_step_key_its_graphs(backend):
