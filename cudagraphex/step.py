@@ -249,13 +249,14 @@ class StepGraph:
     def _slow(self, args: tuple, kwargs: dict) -> Any:
         self._slots = slots = Slots(self.modules, self.optimizers)
         flat, spec = pytree.tree_flatten((args, kwargs))
-        key = (signature(flat, spec), slots.modes(), state_layout(slots.tensors()))
+        state = slots.tensors()
+        key = (signature(flat, spec), slots.modes(), state_layout(state))
         if key not in self._refused and (problem := argument_problem(flat)) is not None:
             self._refuse(key, problem)
         if key in self._refused:
             return self._plain(args, kwargs, "not captured", inside_step=False)
         tensor_args = [a for a in flat if is_tensor(a)]
-        if shared_storage(tensor_args, storages(slots.tensors())):
+        if shared_storage(tensor_args, storages(state)):
             self._refuse(None, "an argument shares memory with another argument or with the step's state")
             return self._plain(args, kwargs, "arguments share memory", inside_step=False)
         known = self._graphs.get(key)
