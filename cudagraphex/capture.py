@@ -31,6 +31,7 @@ __all__ = [
 #: Captures are serialised process-wide: two threads capturing at once would share the capture stream.
 _capture_lock = threading.Lock()
 _capturing = threading.local()
+_capture_streams: dict[int, torch.cuda.Stream] = {}
 
 
 class CaptureFailed(RuntimeError):
@@ -58,14 +59,24 @@ def whole_step() -> Iterator[None]:
         step_depth -= 1
 
 
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream every capture on ``device`` runs on, one per device for the process.
+
+    cuBLAS keeps a workspace (about 33 MiB on an H200) for each stream that runs a matmul, until the process ends.
+    One capture stream bounds that to one workspace, however many functions capture and are deleted. Call with
+    ``_capture_lock`` held.
+    """
+    stream = _capture_streams.get(device.index)
+    if stream is None:
+        stream = _capture_streams[device.index] = torch.cuda.Stream(device)
+    return stream
+
+
 class CudaBackend:
-    """Captures with ``torch.cuda.CUDAGraph`` on one side stream per device."""
+    """Captures with ``torch.cuda.CUDAGraph`` on the device's capture stream."""
 
     name = "cuda"
     device_type = "cuda"
-
-    def __init__(self) -> None:
-        self._streams: dict[int, torch.cuda.Stream] = {}
 
     def new_pool(self, device: torch.device) -> Any:
         return torch.cuda.graph_pool_handle()
@@ -89,9 +100,7 @@ class CudaBackend:
         stream waits for the current stream instead. Raises :class:`CaptureFailed` with the RNG state restored.
         """
         with _capture_lock, torch.cuda.device(device):
-            stream = self._streams.get(device.index)
-            if stream is None:
-                stream = self._streams[device.index] = torch.cuda.Stream(device)
+            stream = capture_stream(device)
             rng_state = torch.cuda.get_rng_state(device)
             graph = torch.cuda.CUDAGraph()
             stream.wait_stream(torch.cuda.current_stream(device))

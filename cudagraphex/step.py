@@ -188,7 +188,6 @@ class StepGraph:
         self._current: _Graph | None = None
         self._graphs: dict[tuple, _Graph] = {}
         self._pool: Any = None
-        self._stream: torch.cuda.Stream | None = None
         self._warmups: Counter[tuple] = Counter()
         self._refused: dict[tuple, str] = {}
         self._report = StepReport(self.__name__)
@@ -388,12 +387,11 @@ class StepGraph:
         device = torch.device("cuda", torch.cuda.current_device())
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream(device)
-        stream = self._stream
         cuda_graph = torch.cuda.CUDAGraph()
         rng_state = torch.cuda.get_rng_state(device)
         gc_enabled = gc.isenabled()
         with _capture._capture_lock:
+            stream = _capture.capture_stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             gc.disable()
             try:
