@@ -22,7 +22,7 @@ The path needs transformers 4.46-4.55 (the range Thunder's Hugging Face recipe s
 benchmarks): under 5.x, ``thunder.jit`` of ``LlamaForCausalLM.forward`` fails. Without a GPU the same code runs a tiny
 configuration in float32 with cudagraphex's CPU replay backend (the suite's tests).
 
-Run: ``python -m benchmarks.generate [--new-tokens 100] [--rounds 5] [--variants a,b]``.
+Run: ``python -m benchmarks.generate [--new-tokens 100] [--rounds 5] [--layers 16] [--variants a,b]``.
 """
 
 from __future__ import annotations
@@ -61,8 +61,11 @@ class Row:
     error: str | None = None
 
 
-def llama_1b_config(tiny: bool = False):
-    """Llama-3.2-1B's configuration (``tiny``: 2 layers of width 64, vocabulary 256, for the CPU)."""
+def llama_1b_config(tiny: bool = False, layers: int | None = None):
+    """Llama-3.2-1B's configuration (``tiny``: 2 layers of width 64, vocabulary 256, for the CPU).
+
+    ``layers`` replaces the number of decoder layers (16, or the tiny 2).
+    """
     from transformers import LlamaConfig
 
     rope = {
@@ -73,11 +76,13 @@ def llama_1b_config(tiny: bool = False):
         "original_max_position_embeddings": 8192,
     }
     shared = {"rope_scaling": rope, "rope_theta": 500000.0, "tie_word_embeddings": True}
+    if layers is not None:
+        shared["num_hidden_layers"] = layers
     if tiny:
+        shared.setdefault("num_hidden_layers", 2)
         return LlamaConfig(
             hidden_size=64,
             intermediate_size=128,
-            num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
             vocab_size=256,
@@ -85,10 +90,10 @@ def llama_1b_config(tiny: bool = False):
             initializer_range=0.5,  # random weights of the usual scale generate one token over and over
             **shared,
         )
+    shared.setdefault("num_hidden_layers", 16)
     return LlamaConfig(
         hidden_size=2048,
         intermediate_size=8192,
-        num_hidden_layers=16,
         num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=64,
@@ -127,6 +132,7 @@ def run(
     new_tokens: int = 100,
     rounds: int = 5,
     prompt_tokens: int = 16,
+    layers: int | None = None,
     device: torch.device | None = None,
     log: Callable[[str], None] = print,
 ) -> list[Row]:
@@ -145,7 +151,7 @@ def run(
     executor = cudagraphex if on_gpu else emulated_executor("cudagraphex_generate")
     torch.manual_seed(0)
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    model = LlamaForCausalLM(llama_1b_config(tiny=not on_gpu)).to(device=device, dtype=dtype).eval()
+    model = LlamaForCausalLM(llama_1b_config(tiny=not on_gpu, layers=layers)).to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), device=device)
     options = {"do_sample": False, "cache_implementation": "static", "max_new_tokens": new_tokens, "pad_token_id": 0}
@@ -228,12 +234,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--variants", help="comma-separated (names below); default all")
     parser.add_argument("--new-tokens", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layers", type=int, help="decoder layers (default: Llama-3.2-1B's 16)")
     args = parser.parse_args(argv)
     variants = VARIANTS if args.variants is None else tuple(args.variants.split(","))
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; the variants: {', '.join(VARIANTS)}")
-    rows = run(variants, new_tokens=args.new_tokens, rounds=args.rounds)
+    rows = run(variants, new_tokens=args.new_tokens, rounds=args.rounds, layers=args.layers)
     print(table(rows))
     return 1 if any(r.error for r in rows) else 0
 
