@@ -565,3 +565,13 @@ def test_generate_gives_eagers_tokens_through_thunder_and_cudagraphex():
         assert r.error is None, table(rows)
         assert r.equal_tokens == 6, table(rows)
         assert r.ms_per_generate > 0
+
+
+def test_the_bucketed_serving_loop_keeps_one_graph_per_size_and_eagers_results():
+    from benchmarks.buckets import SIZES, run
+
+    result = run(steps=6)
+    assert result.graphs == len(SIZES), result.table()
+    assert result.equal_tokens == result.steps, result.table()
+    assert result.max_abs_error < 1e-5, result.table()
+    assert result.times_us, result.table()

@@ -1,4 +1,4 @@
-"""Batch-size buckets for whole-step graphs: a call padded up to the next capture size (see ``cudagraphex.step``).
+"""Batch-size buckets for whole-step graphs: a call padded up to the next capture size (see ``cudagraphex.step.graph``).
 
 Invariants
 ==========
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from cudagraphex.rows import Rows
-from cudagraphex.step_state import is_tensor
+from cudagraphex.step.rows import Rows
+from cudagraphex.step.state import is_tensor
 
 __all__ = ["batch_rows", "copy_rows", "handed_out_rows", "rows_key", "sized_to", "validated_sizes"]
 

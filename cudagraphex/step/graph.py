@@ -41,6 +41,12 @@ What is not captured
     :class:`~cudagraphex.StrictModeError` under ``strict=True``. Python side effects of ``fn`` other than the slots
     above (a counter, a list of losses) happen at the capture only.
 
+Batch-size buckets
+    With ``capture_sizes``, a call with fewer rows than a capture size replays that size's graph on its rows padded
+    and gets its rows of each output back (``cudagraphex.buckets``), where the check of ``cudagraphex.rows`` found the
+    step's rows independent on the last warm-up call of that size; otherwise, with the reason in the report, it runs
+    ``fn`` as is. The step must run the same ops for every batch size up to a capture size.
+
 What the caller gets back
     ``fn``'s return value, with each tensor a new copy of the graph's output (detached: the step consumed its
     autograd graph), so a tensor the caller keeps is never overwritten. ``fn`` may return tensors, None and
@@ -49,25 +55,32 @@ What the caller gets back
 
 from __future__ import annotations
 
-import gc
+import contextlib
 import logging
 import operator
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from torch._C._dynamo.guards import TensorGuards
 from torch.utils import _pytree as pytree
 
 from cudagraphex import capture as _capture
 from cudagraphex.runtime import StrictModeError
 from cudagraphex.runtime.guards import addresses_equal, layout_guard
 from cudagraphex.runtime.staging import picker
-from cudagraphex.step_io import (
+from cudagraphex.step import buckets
+from cudagraphex.step.capture import (
+    NOT_RUN,
+    NotCapturable,
+    StepCapture,
+    capture_cuda,
+    capture_emulated,
+    replay_emulated,
+)
+from cudagraphex.step.io import (
     argument_problem,
     handed_out,
     host_values,
@@ -77,74 +90,21 @@ from cudagraphex.step_io import (
     storages,
     write_back,
 )
-from cudagraphex.step_state import (
+from cudagraphex.step.report import StepReport
+from cudagraphex.step.rows import RowCheck
+from cudagraphex.step.state import (
     HostWork,
     Slots,
     install_registration_hooks,
     is_tensor,
-    keep_slots,
     same_hyperparameters,
     state_layout,
     unsettled,
 )
 
-__all__ = ["StepGraph", "StepReport", "graph_step"]
+__all__ = ["StepGraph", "graph_step"]
 
 logger = logging.getLogger("cudagraphex")
-
-
-@dataclass
-class StepReport:
-    """What :func:`graph_step` did: read it as text (``str(report)``) or as data."""
-
-    function: str
-    captures: int = 0
-    replays: int = 0
-    #: Calls that ran ``fn`` as is, by reason (warm-up included).
-    plain_calls: dict[str, int] = field(default_factory=dict)
-    capture_ms: float = 0.0
-    pool_bytes: int = 0
-    #: Why the step is not replayed (None while it is).
-    not_captured: str | None = None
-
-    def __str__(self) -> str:
-        head = (
-            f"cudagraphex step report for {self.function}: {self.captures} capture(s), {self.replays} replay(s),"
-            f" last capture {self.capture_ms:.1f} ms, {self.pool_bytes / 2**20:.1f} MiB of graph memory"
-        )
-        lines = [head]
-        if self.plain_calls:
-            lines.append(
-                "  calls without the step graph: " + ", ".join(f"{k} x{n}" for k, n in self.plain_calls.items())
-            )
-        if self.not_captured:
-            lines.append(f"  not captured: {self.not_captured}")
-        return "\n".join(lines)
-
-
-class _Graph:
-    """One captured step: the graph, its argument buffers, the guards of its state, and its outputs."""
-
-    def __init__(self) -> None:
-        self.graph: Any = None
-        self.spec: Any = None
-        self.host_values: tuple = ()
-        self.modes: tuple = ()
-        self.buffers: list[torch.Tensor] = []
-        #: Indices of the buffers the step writes in place: copied back into the caller's arguments after a replay.
-        self.written: list[int] = []
-        self.arg_guard: TensorGuards | None = None
-        self.pick_args: Callable = lambda flat: ()
-        self.slots: list[torch.Tensor | None] = []
-        self.state_guard: TensorGuards | None = None
-        self.state_idx: list[int] = []
-        self.state_ptrs: list[int | None] = []
-        self.state_storages: frozenset[int] = frozenset()
-        self.ptr_idx: list[int] = []
-        self.hyperparameters: list = []
-        self.outputs: list[torch.Tensor | None] = []
-        self.out_spec: Any = None
-        self.replay_args: list[Any] = []
 
 
 class StepGraph:
@@ -157,9 +117,10 @@ class StepGraph:
         optimizers: Iterable[torch.optim.Optimizer],
         *,
         warmup_calls: int,
-        max_graphs: int,
+        max_graphs: int | None,
         strict: bool,
         backend: str,
+        capture_sizes: Sequence[int] | None = None,
     ) -> None:
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
@@ -171,6 +132,9 @@ class StepGraph:
         for o in self.optimizers:
             if not isinstance(o, torch.optim.Optimizer):
                 raise TypeError(f"optimizers must be torch.optim.Optimizer objects, got {type(o).__name__}")
+        self.capture_sizes = buckets.validated_sizes(capture_sizes)
+        if max_graphs is None:
+            max_graphs = max(4, len(self.capture_sizes))
         for name, value, low in (("warmup_calls", warmup_calls, 1), ("max_graphs", max_graphs, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -185,17 +149,22 @@ class StepGraph:
         self.emulated = backend == "emulate"
         self.device_type = "cpu" if self.emulated else "cuda"
         self._slots = Slots(self.modules, self.optimizers)
-        self._current: _Graph | None = None
-        self._graphs: dict[tuple, _Graph] = {}
+        self._current: StepCapture | None = None
+        self._graphs: dict[tuple, StepCapture] = {}
         self._pool: Any = None
         self._warmups: Counter[tuple] = Counter()
         self._refused: dict[tuple, str] = {}
         self._report = StepReport(self.__name__)
         self._warned = False
+        #: With capture_sizes: per rows key, the graph padded calls replay and how its outputs carry the rows.
+        self._padded: dict[tuple, tuple[StepCapture, list]] = {}
+        self._row_plans: dict[tuple, tuple[str | None, list]] = {}
 
     # -- calls --------------------------------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.capture_sizes:
+            return self._bucketed(args, kwargs)
         graph = self._current
         if graph is not None:
             flat, spec = pytree.tree_flatten((args, kwargs))
@@ -207,7 +176,9 @@ class StepGraph:
         """Captures, replays, calls that ran ``fn`` as is (by reason), capture time and memory of the step."""
         return self._report
 
-    def _fits(self, graph: _Graph, flat: list, spec: Any) -> bool:
+    def _fits(self, graph: StepCapture, flat: list, spec: Any, rows: int | None = None) -> bool:
+        """Whether ``graph``'s guards hold for the call ``flat``; with ``rows``, for the call padded to the graph's
+        rows (the arguments' layout is then not guarded: they are copied row by row)."""
         slots = self._slots
         if (
             slots.stale()
@@ -217,7 +188,7 @@ class StepGraph:
         ):
             return False
         args = graph.pick_args(flat)
-        if graph.arg_guard is not None and not graph.arg_guard.check(*args):
+        if rows is None and graph.arg_guard is not None and not graph.arg_guard.check(*args):
             return False
         if shared_storage(args, graph.state_storages):
             return False
@@ -231,19 +202,89 @@ class StepGraph:
             return False
         return same_hyperparameters(slots.hyperparameters(), graph.hyperparameters)
 
-    def _replay(self, graph: _Graph, flat: list) -> Any:
+    def _replay(self, graph: StepCapture, flat: list) -> Any:
         args = graph.pick_args(flat)
         if len(graph.buffers) == 1:
             graph.buffers[0].copy_(args[0])
         elif graph.buffers:
             torch._foreach_copy_(graph.buffers, list(args))
         if self.emulated:
-            self._run_emulated(graph)
+            replay_emulated(self.fn, graph, self._slots)
         else:
             graph.graph.replay()
         self._report.replays += 1
         write_back(args, graph.buffers, graph.written)
         return handed_out(graph.outputs, graph.out_spec)
+
+    # -- batch-size buckets (see cudagraphex.buckets) -------------------------------------------------------------------
+
+    def prepare(self, *args: Any, **kwargs: Any) -> None:
+        """Warms up and captures the step at every capture size, largest first, from example arguments.
+
+        Each size runs ``fn`` ``warmup_calls + 1`` times on the example rows, repeated or cut to that size, with all
+        its effects (an optimizer steps, a cache is written). Without it, a size is captured once enough calls of
+        exactly that size arrived, and calls that would be padded to it run ``fn`` as is until then.
+
+        Raises:
+            RuntimeError: if the step has no ``capture_sizes``.
+            ValueError: if the tensor arguments disagree on their number of rows.
+        """
+        if not self.capture_sizes:
+            raise RuntimeError(f"step {self.__name__} has no capture_sizes to prepare")
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        for size in reversed(self.capture_sizes):
+            sized_args, sized_kwargs = buckets.sized_to(flat, spec, size)
+            for _ in range(self.warmup_calls + 1):
+                self(*sized_args, **sized_kwargs)
+
+    def _bucketed(self, args: tuple, kwargs: dict) -> Any:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        rows = buckets.batch_rows(flat)
+        size = next((s for s in self.capture_sizes if s >= rows), None)
+        if size == rows:
+            graph = self._current
+            if graph is not None and self._fits(graph, flat, spec):
+                return self._replay(graph, flat)
+            return self._slow(args, kwargs)
+        if size is None:
+            return self._plain(args, kwargs, "more rows than the largest capture size", inside_step=False)
+        if size in self._report.not_padded:
+            if self.strict:
+                raise StrictModeError(
+                    f"cudagraphex: step {self.__name__} does not pad calls to {size} rows: "
+                    + self._report.not_padded[size]
+                )
+            return self._plain(args, kwargs, "not padded", inside_step=False)
+        padded = self._padded.get(buckets.rows_key(flat, spec, size))
+        if padded is None or not self._fits(padded[0], flat, spec, rows):
+            return self._plain(args, kwargs, "no graph to pad into yet", inside_step=False)
+        graph, layouts = padded
+        buckets.copy_rows(graph.buffers, graph.pick_args(flat), rows)
+        if self.emulated:
+            replay_emulated(self.fn, graph, self._slots)
+        else:
+            graph.graph.replay()
+        report = self._report
+        report.replays += 1
+        report.padded_calls += 1
+        report.real_rows += rows
+        report.padded_rows += size - rows
+        return buckets.handed_out_rows(graph.outputs, layouts, graph.out_spec, rows)
+
+    def _pad_into(self, graph: StepCapture, key: tuple, flat: list, spec: Any) -> None:
+        """Lets calls with fewer rows replay ``graph`` (captured at a capture size), if its step is row-independent."""
+        problem, layouts = self._row_plans[key]
+        size = buckets.batch_rows(flat)
+        if problem is None and graph.written:
+            problem = "the step writes an argument in place"
+        if problem is None and len(layouts) != len(graph.outputs):
+            problem = "the step returned a different structure when it was checked"
+        if problem is not None:
+            if size not in self._report.not_padded:
+                self._report.not_padded[size] = problem
+                logger.info("step %s: calls of fewer than %d rows are not padded: %s", self.__name__, size, problem)
+            return
+        self._padded[buckets.rows_key(flat, spec, size)] = (graph, layouts)
 
     def _slow(self, args: tuple, kwargs: dict) -> Any:
         self._slots = slots = Slots(self.modules, self.optimizers)
@@ -267,10 +308,17 @@ class StepGraph:
             return self._plain(args, kwargs, "warm-up")
         if self._warmups[key] == self.warmup_calls:
             scan = HostWork(self.device_type)
-            with scan:
+            rows = buckets.batch_rows(flat) if self.capture_sizes else 1
+            check = RowCheck(flat, rows) if rows > 1 and rows in self.capture_sizes else None
+            with scan, check or contextlib.nullcontext():
                 out = self._plain(args, kwargs, "warm-up")
             if scan.found is not None:
                 self._refuse(key, f"the step {scan.found}")
+            if check is not None:
+                layouts = [check.layout_of(o) if is_tensor(o) else None for o in pytree.tree_leaves(out)]
+                self._row_plans[key] = (check.problem, layouts)
+                if scan.found is not None:
+                    self._report.not_padded.setdefault(rows, f"the step is not captured: it {scan.found}")
             return out
         if self._report.captures >= self.max_graphs:
             self._refuse(key, f"it was captured max_graphs={self.max_graphs} times")
@@ -278,13 +326,16 @@ class StepGraph:
         graph, out, problem = self._capture(flat, spec, key)
         if problem is not None:
             self._refuse(key, problem)
-        if out is _NOT_RUN:
+        if out is NOT_RUN:
             return self._plain(args, kwargs, "not captured", inside_step=False)
         self._current = graph
         if graph is None:
             self._graphs.pop(key, None)
         else:
             self._graphs[key] = graph
+            if key in self._row_plans:
+                self._pad_into(graph, key, flat, spec)
+        self._report.graphs = len(self._graphs)
         return out
 
     def _plain(self, args: tuple, kwargs: dict, reason: str, *, inside_step: bool = True) -> Any:
@@ -312,12 +363,12 @@ class StepGraph:
 
     # -- capture ------------------------------------------------------------------------------------------------------
 
-    def _capture(self, flat: list, spec: Any, key: tuple) -> tuple[_Graph | None, Any, str | None]:
+    def _capture(self, flat: list, spec: Any, key: tuple) -> tuple[StepCapture | None, Any, str | None]:
         """Captures the step for the call ``flat`` and runs it once. Returns the graph (None where the state it leaves
-        behind is not the state it was captured from: the next call captures again), the call's result (``_NOT_RUN``
+        behind is not the state it was captured from: the next call captures again), the call's result (``NOT_RUN``
         where the call's device work has not run), and why the step cannot be captured (None if it can)."""
         slots = self._slots
-        graph = _Graph()
+        graph = StepCapture()
         tensor_idx = [i for i, a in enumerate(flat) if is_tensor(a)]
         graph.pick_args = picker(tensor_idx)
         graph.buffers = [
@@ -339,12 +390,14 @@ class StepGraph:
         start = time.perf_counter()
         reserved = 0 if self.emulated else torch.cuda.memory_reserved()
         if self.emulated:
-            out = self._run_emulated_capture(graph, before)
+            out = capture_emulated(self.fn, graph, self._slots, before)
         else:
             try:
-                out = self._run_cuda_capture(graph, before)
-            except _NotCapturable as e:
-                return None, _NOT_RUN, str(e)
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                out = capture_cuda(self.fn, graph, self._slots, before, self._pool)
+            except NotCapturable as e:
+                return None, NOT_RUN, str(e)
         self._report.captures += 1
         self._report.capture_ms = (time.perf_counter() - start) * 1e3
         added = 0 if self.emulated else torch.cuda.memory_reserved() - reserved
@@ -353,7 +406,7 @@ class StepGraph:
         flat_out, graph.out_spec = pytree.tree_flatten(out)
         problem = output_problem(flat_out, [*before, *flat, *graph.buffers])
         if problem is not None:  # the emulated capture ran the step; a CUDA capture only recorded it
-            return None, out if self.emulated else _NOT_RUN, problem
+            return None, out if self.emulated else NOT_RUN, problem
         graph.outputs = [None if o is None else o.detach() for o in flat_out]
         graph.written = [i for i, (buf, v) in enumerate(zip(graph.buffers, versions, strict=True)) if buf._version != v]
 
@@ -383,62 +436,6 @@ class StepGraph:
         write_back(graph.pick_args(flat), graph.buffers, graph.written)
         return None if moved else graph, handed_out(graph.outputs, graph.out_spec), None
 
-    def _run_cuda_capture(self, graph: _Graph, before: list) -> Any:
-        device = torch.device("cuda", torch.cuda.current_device())
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        cuda_graph = torch.cuda.CUDAGraph()
-        rng_state = torch.cuda.get_rng_state(device)
-        gc_enabled = gc.isenabled()
-        with _capture._capture_lock:
-            stream = _capture.capture_stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            gc.disable()
-            try:
-                with torch.cuda.stream(stream), _capture.whole_step():
-                    cuda_graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                    try:
-                        out = self.fn(*graph.replay_args[0], **graph.replay_args[1])
-                        keep_slots(self._slots, before)
-                    finally:
-                        cuda_graph.capture_end()
-            except BaseException as e:
-                _capture._reset_generator(stream, rng_state, device)
-                keep_slots(self._slots, before, restore=True)
-                raise _NotCapturable(f"capturing the step failed ({type(e).__name__}: {e})") from e
-            finally:
-                if gc_enabled:
-                    gc.enable()
-            torch.cuda.current_stream(device).wait_stream(stream)
-        graph.graph = cuda_graph
-        return out
-
-    def _run_emulated_capture(self, graph: _Graph, before: list) -> Any:
-        with _capture.whole_step():
-            out = self.fn(*graph.replay_args[0], **graph.replay_args[1])
-            keep_slots(self._slots, before)
-        graph.graph = "emulated"
-        return out
-
-    def _run_emulated(self, graph: _Graph) -> None:
-        """A replay on the CPU: runs the step again on the argument buffers and writes its results where a graph
-        would: the slots' tensors and the output tensors."""
-        with _capture.whole_step():
-            out = self.fn(*graph.replay_args[0], **graph.replay_args[1])
-            keep_slots(self._slots, graph.slots)
-        with torch.no_grad():
-            for target, fresh in zip(graph.outputs, pytree.tree_leaves(out), strict=True):
-                if target is not None:
-                    target.copy_(fresh)
-
-
-class _NotCapturable(Exception):
-    pass
-
-
-#: The result of a call whose device work has not run (a failed CUDA capture).
-_NOT_RUN = object()
-
 
 def graph_step(
     fn: Callable,
@@ -446,9 +443,10 @@ def graph_step(
     modules: Iterable[torch.nn.Module] = (),
     optimizers: Iterable[torch.optim.Optimizer] = (),
     warmup_calls: int = 2,
-    max_graphs: int = 4,
+    max_graphs: int | None = None,
     strict: bool = False,
     backend: str = "cuda",
+    capture_sizes: Sequence[int] | None = None,
 ) -> StepGraph:
     """Captures a whole training step into one CUDA graph and replays it.
 
@@ -463,13 +461,18 @@ def graph_step(
         modules: modules whose parameters and buffers the step reads or writes.
         optimizers: optimizers the step steps; use ``capturable=True`` (``foreach`` or ``fused``).
         warmup_calls: calls per input signature before a capture (the last one also checks for host work).
-        max_graphs: captures in all; past it the step runs ``fn`` as is.
+        max_graphs: captures in all; past it the step runs ``fn`` as is (default 4, or the number of
+            ``capture_sizes`` where that is more).
         strict: raise :class:`~cudagraphex.StrictModeError` instead of running ``fn`` without the step graph.
         backend: ``"cuda"``, or ``"emulate"``: the CPU replay backend, which reruns ``fn`` and keeps the slots.
+        capture_sizes: batch sizes (dim 0 of every tensor argument) to capture; a call with fewer rows than a size
+            replays that size's graph on its rows padded, where the step's rows are independent (``cudagraphex.rows``),
+            and gets its rows of each output back. Use :meth:`StepGraph.prepare` to capture every size up front.
 
     Raises:
         TypeError: for a module or optimizer of the wrong type.
-        ValueError: for an invalid option.
+        ValueError: for an invalid option; with ``capture_sizes``, at a call whose tensor arguments disagree on their
+            number of rows.
     """
     return StepGraph(
         fn,
@@ -479,4 +482,5 @@ def graph_step(
         max_graphs=max_graphs,
         strict=strict,
         backend=backend,
+        capture_sizes=capture_sizes,
     )

@@ -1,4 +1,4 @@
-"""A whole step's arguments and results (see ``cudagraphex.step``): how a call's arguments are keyed and staged in
+"""A whole step's arguments and results (see ``cudagraphex.step.graph``): how a call's arguments are keyed and staged in
 the graph's buffers, what is written back, and how results are handed out.
 
 Invariants
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from cudagraphex.step_state import is_tensor
+from cudagraphex.step.state import is_tensor
 
 __all__ = [
     "argument_problem",

@@ -12,7 +12,8 @@ What padding relies on
     (2), op by op, on a call at the capture size; (3) is the caller's promise, as for vLLM's capture sizes.
 
 How rows are tracked
-    Every tensor argument carries the batch along dim 0. A tensor that carries it is ``Rows(axis, inner)``: dim
+    Every tensor argument carries the batch along dim 0; its other dims are the same for every call padded into one
+    graph (``cudagraphex.step.buckets``), so they do not come from the batch. A tensor that carries it is ``Rows(axis, inner)``: dim
     ``axis`` holds the batch in blocks of ``inner``, one block per row (a view that flattens (B, T) into B*T keeps
     inner T). Tensors that existed before the call (parameters, buffers, caches) and tensors computed from them alone
     carry no rows. A tensor given a size by the step (a factory such as ``zeros`` or ``arange``, ``expand``,
@@ -104,6 +105,8 @@ _REDUCTIONS = {
     aten.all,
 }
 _ALONG_DIM = {aten._softmax, aten._log_softmax, aten.softmax, aten.log_softmax, aten.cumsum, aten.cumprod, aten.sort}
+_LIFTS = {aten.lift_fresh, aten.lift_fresh_copy}
+_METADATA = {aten.sym_size, aten.sym_numel, aten.sym_stride, aten.sym_storage_offset}
 _FACTORIES_OF = {aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full, aten.new_empty_strided}
 _SIZED = {aten.expand, aten.repeat, *_FACTORIES_OF}
 _ATTENTION = {
@@ -131,7 +134,6 @@ class RowCheck(TorchDispatchMode):
         self.problem: str | None = None
         self._known: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._args = {id(a) for a in args if isinstance(a, torch.Tensor)}
-        self._written: set[int] = set()
         if torch._dynamo.utils.counters["stats"]["unique_graphs"]:
             self.problem = "the process has run torch.compile, whose compiled code the row check cannot look into"
         # Strong references: nothing that existed before the call is freed during it, so no new tensor reuses its
@@ -140,9 +142,6 @@ class RowCheck(TorchDispatchMode):
         self._before_ids = {id(t) for t in self._before}
         self._before_storages = {_storage(t) for t in self._before}
         self._arg_storages = {_storage(a) for a in args if isinstance(a, torch.Tensor)}
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.dim() > 0 and any(s == batch for s in a.shape[1:]):
-                self.problem = f"an argument of shape {tuple(a.shape)} has a second dim of the batch size"
 
     def layout_of(self, t: torch.Tensor) -> Rows | None:
         """How output ``t`` carries the rows: ``Rows(0, inner)``, or None (it carries none). Refuses otherwise."""
@@ -164,6 +163,8 @@ class RowCheck(TorchDispatchMode):
             return func(*args, **kwargs)
         try:
             inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if func.overloadpacket in _LIFTS:  # torch.tensor(data): made outside the dispatcher, from host data
+                inputs = []
             layouts = [self._layout(t) for t in inputs]
             self._check_effects(func, args, kwargs, layouts)
         except _Refused as e:
@@ -198,8 +199,8 @@ class RowCheck(TorchDispatchMode):
     def _check_effects(self, func, args, kwargs, layouts) -> None:
         packet = func.overloadpacket
         if packet in _ATTENTION:
-            dropout = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
-            if isinstance(dropout, float) and dropout > 0:
+            dropout = _named(func, args, kwargs).get("dropout_p", 0.0)
+            if dropout:
                 raise _Refused("attention with dropout draws random numbers")
         elif torch.Tag.nondeterministic_seeded in func.tags:
             raise _Refused("the step draws random numbers")
@@ -223,7 +224,7 @@ class RowCheck(TorchDispatchMode):
         packet = func.overloadpacket
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outs:
-            if any(layouts) and packet is not aten.sym_size:
+            if any(layouts) and packet not in _METADATA:
                 raise _Refused("an op turns rows into a host value")
             return
         written = {id(t) for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)} & {id(t) for t in outs}
@@ -272,7 +273,7 @@ class RowCheck(TorchDispatchMode):
                 else _refuse("a slice along the batch axis")
                 for t in outs
             ]
-        return [self._other(packet, args, inputs, layouts, t) for t in outs]
+        return [self._other(func, args, inputs, layouts, t) for t in outs]
 
     def _sized(self, t: torch.Tensor, source, layout) -> Rows | Maybe | None:
         if layout is not None:
@@ -294,7 +295,8 @@ class RowCheck(TorchDispatchMode):
         axes = frozenset(d for d, s in enumerate(t.shape) if d not in known and s >= self.batch and s % self.batch == 0)
         return Maybe(axes) if axes and self.batch > 1 else None
 
-    def _other(self, packet, args, inputs, layouts, t) -> Rows | None:
+    def _other(self, func, args, inputs, layouts, t) -> Rows | None:
+        packet = func.overloadpacket
         carriers = [(lo, s) for lo, s in zip(layouts, inputs, strict=True) if lo is not None]
         if packet in (aten.mm, aten.addmm):
             lo, s = carriers[0]
@@ -307,6 +309,8 @@ class RowCheck(TorchDispatchMode):
         if packet in (aten.bmm, aten.baddbmm):
             a, b = args[-2], args[-1]
             la, lb = self._layout(a), self._layout(b)
+            if packet is aten.baddbmm and self._layout(args[0]) not in (None, la):
+                raise _Refused("a batched matrix product adds a tensor whose rows lie elsewhere")
             if la is not None and la.axis == 0 and (lb == la or (lb is None and b.shape[0] == 1)):
                 return la
             if la is not None and la.axis == 1 and lb is None:
@@ -344,9 +348,12 @@ class RowCheck(TorchDispatchMode):
                 if packet is aten.stack:
                     return Rows(first.axis + (dim <= first.axis), first.inner)
             raise _Refused("a concatenation mixes tensors with and without the batch, or along it")
-        if packet in _ATTENTION:
-            q = args[0]
-            if all(lo == Rows(0, layouts[0].inner) for lo in layouts[:3]) and layouts[0] is not None:
+        if packet in _ATTENTION and isinstance(layouts[0], Rows) and layouts[0].axis == 0:
+            q, bias = args[0], _named(func, args, {}).get("attn_bias")
+            bias_ok = (
+                bias is None or self._layout(bias) == layouts[0] or (self._layout(bias) is None and bias.shape[0] == 1)
+            )
+            if bias_ok and all(self._layout(x) == layouts[0] for x in args[1:3]):
                 return layouts[0] if t.dim() > 0 and t.shape[0] == q.shape[0] else None
         if packet in (aten.tril, aten.triu) and layouts[0] is not None and layouts[0].axis < args[0].dim() - 2:
             return layouts[0]
@@ -403,8 +410,13 @@ def _elementwise(t: torch.Tensor, inputs, layouts) -> Rows | Maybe | None:
     return Maybe(frozenset(maybe)) if maybe else None
 
 
+def _named(func, args, kwargs) -> dict[str, Any]:
+    """The op's arguments by their schema names."""
+    return dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
+
+
 def _reduced(func, args, kwargs, layout: Rows, source: torch.Tensor) -> Rows:
-    values = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
+    values = _named(func, args, kwargs)
     reduced = _dims(values.get("dim"), source.dim())
     if layout.axis in reduced:
         raise _Refused("a reduction over the batch")

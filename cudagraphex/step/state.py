@@ -1,4 +1,4 @@
-"""The state of a whole step (see ``cudagraphex.step``): the slots where its tensors live, their guard inputs, and
+"""The state of a whole step (see ``cudagraphex.step.graph``): the slots where its tensors live, their guard inputs, and
 the check for host work that keeps a step out of a graph.
 
 Invariants
@@ -190,7 +190,7 @@ def state_layout(tensors: list) -> tuple:
 
 def keep_slots(slots: Slots, before: list, *, restore: bool = False) -> None:
     """Gives every gradient and buffer slot whose tensor the step replaced its tensor from ``before`` back, with the
-    new value copied in (see "Slots keep their tensors" in ``cudagraphex.step``). A slot that was empty, that the step
+    new value copied in (see "Slots keep their tensors" in ``cudagraphex.step.graph``). A slot that was empty, that the step
     emptied, or whose new tensor has another layout keeps what the step left. With ``restore``, every such slot gets
     its old tensor back unchanged (a failed capture, whose device work never ran)."""
     after = slots.tensors()

@@ -1,0 +1,212 @@
+"""Batch-size buckets (``graph_step(..., capture_sizes=...)``): a padded call returns what the unpadded call does.
+
+Each test compares a step's result with the same function run as is on the call's rows alone. Padding changes the
+batch a matrix product sees, which may change the last bits of a result: the comparisons use torch's default float32
+tolerance. Where the step's rows are not independent, padding is refused with a reason, and the call runs as is.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import cudagraphex.step.graph
+from benchmarks.models import mlp
+from cudagraphex import StrictModeError, explain, graph_step
+from cudagraphex.step.rows import RowCheck
+from tests.helpers import jit
+
+
+def _serving(backend, make=None):
+    torch.manual_seed(0)
+    model = (make or (lambda: mlp(2, 16)))().to(backend.device).eval()
+    compiled = jit(model, backend.executor)
+
+    def serve(x):
+        with torch.no_grad():
+            return compiled(x).softmax(-1)
+
+    return model, serve
+
+
+def _rows(backend, n, width=16):
+    return torch.randn(n, width, device=backend.device)
+
+
+def test_padded_calls_equal_unpadded_calls_with_one_graph_per_size(backend):
+    model, serve = _serving(backend)
+    step = graph_step(serve, capture_sizes=[1, 2, 4, 8], backend=backend.name)
+    step.prepare(_rows(backend, 3))
+    rng = random.Random(0)
+    sizes = [rng.randint(1, 8) for _ in range(40)]
+    for n in sizes:
+        x = _rows(backend, n)
+        got = step(x)
+        with torch.no_grad():
+            want = model(x).softmax(-1)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)
+    report = explain(step)
+    assert report.graphs == 4
+    assert report.replays == 40
+    padded = [n for n in sizes if n not in (1, 2, 4, 8)]
+    assert report.padded_calls == len(padded)
+    assert report.real_rows == sum(padded)
+    assert report.padded_rows == sum({3: 4, 5: 8, 6: 8, 7: 8}[n] - n for n in padded)
+
+
+def test_without_prepare_a_size_is_captured_from_calls_of_that_size(backend):
+    model, serve = _serving(backend)
+    step = graph_step(serve, capture_sizes=[4], backend=backend.name)
+    x2 = _rows(backend, 2)
+    with torch.no_grad():
+        want = model(x2).softmax(-1)
+    torch.testing.assert_close(step(x2), want)  # no graph of size 4 yet: runs as is
+    assert explain(step).plain_calls == {"no graph to pad into yet": 1}
+    for _ in range(3):
+        step(_rows(backend, 4))
+    torch.testing.assert_close(step(x2), want)
+    assert explain(step).padded_calls == 1
+
+
+def test_outputs_keep_their_rows_through_views_and_outputs_without_rows_come_whole(backend):
+    weight = torch.randn(8, 8, device=backend.device)
+    bias = torch.randn(5, device=backend.device)
+
+    def fn(x):  # x: (B, 3, 8); flattened to (B*3, 8) and back
+        flat = x.reshape(-1, 8) @ weight
+        return flat, flat.view(x.shape[0], 3, 8).sum(1), bias * 2
+
+    step = graph_step(fn, capture_sizes=[4], backend=backend.name)
+    step.prepare(torch.randn(4, 3, 8, device=backend.device))
+    x = torch.randn(3, 3, 8, device=backend.device)
+    for got, want in zip(step(x), fn(x), strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)
+    assert explain(step).padded_calls == 1
+
+
+class _Cache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("kv", torch.zeros(8, 16))
+
+    def forward(self, x):
+        self.kv[: x.shape[0]] = x
+        return x * 2
+
+
+_NOT_INDEPENDENT = {
+    "a reduction over the batch": (lambda x: x.sum(0), "reduction over the batch"),
+    "a product that contracts the batch": (lambda x: x @ x.T, "matrix product"),
+    "softmax over the batch": (lambda x: x.softmax(0), "along the batch axis"),
+    "dropout": (lambda x: nn.functional.dropout(x, 0.5, training=True), "random"),
+    "a host read of a row": (lambda x: x * x[0, 0].item(), "host"),
+    "a tensor the check did not see made": (
+        lambda x: x + torch.from_numpy(np.ones(16, dtype=np.float32)).to(x.device),
+        "unseen origin",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_NOT_INDEPENDENT))
+def test_rows_that_are_not_independent_are_not_padded(backend, case):
+    fn, reason = _NOT_INDEPENDENT[case]
+    step = graph_step(fn, capture_sizes=[4], backend=backend.name)
+    if case == "a host read of a row":
+        with pytest.warns(UserWarning, match="host"):
+            step.prepare(_rows(backend, 4))
+    else:
+        step.prepare(_rows(backend, 4))
+    x = _rows(backend, 3)
+    torch.manual_seed(1)
+    got = step(x)
+    torch.manual_seed(1)
+    want = fn(x)
+    torch.testing.assert_close(got, want)
+    report = explain(step)
+    assert report.padded_calls == 0
+    assert reason in report.not_padded[4], report.not_padded
+
+
+@pytest.mark.parametrize("make", ["batchnorm_training", "cache_written_by_row"])
+def test_a_step_that_writes_its_state_by_row_is_not_padded(backend, make):
+    module = (nn.BatchNorm1d(16) if make == "batchnorm_training" else _Cache()).to(backend.device)
+    twin = _Cache().to(backend.device) if make != "batchnorm_training" else nn.BatchNorm1d(16).to(backend.device)
+    twin.load_state_dict(module.state_dict())
+
+    def fn(x):
+        with torch.no_grad():
+            return module(x)
+
+    step = graph_step(fn, modules=[module], capture_sizes=[4], backend=backend.name)
+    example = _rows(backend, 4)
+    step.prepare(example)
+    with torch.no_grad():
+        for _ in range(3):
+            twin(example)
+        x = _rows(backend, 3)
+        torch.testing.assert_close(step(x), twin(x))
+    for b, c in zip(module.buffers(), twin.buffers(), strict=True):
+        torch.testing.assert_close(b, c)
+    report = explain(step)
+    assert report.padded_calls == 0
+    assert "in place" in report.not_padded[4]
+
+
+def test_the_check_bites(backend, monkeypatch):
+    """With a check that finds nothing, a padded sum over the batch adds the padding rows in."""
+
+    class Blind(RowCheck):
+        def layout_of(self, t):
+            self.problem = None
+
+    monkeypatch.setattr(cudagraphex.step.graph, "RowCheck", Blind)
+    step = graph_step(lambda x: x.sum(0), capture_sizes=[4], backend=backend.name)
+    step.prepare(_rows(backend, 4))
+    x = _rows(backend, 3)
+    assert explain(step).not_padded == {}
+    assert not torch.allclose(step(x), x.sum(0))
+
+
+def test_a_process_that_ran_torch_compile_is_not_padded(backend, monkeypatch):
+    monkeypatch.setitem(torch._dynamo.utils.counters["stats"], "unique_graphs", 1)
+    _, serve = _serving(backend)
+    step = graph_step(serve, capture_sizes=[4], backend=backend.name)
+    step.prepare(_rows(backend, 4))
+    step(_rows(backend, 3))
+    assert "torch.compile" in explain(step).not_padded[4]
+
+
+def test_more_rows_than_the_largest_size_run_as_is(backend):
+    model, serve = _serving(backend)
+    step = graph_step(serve, capture_sizes=[2], backend=backend.name)
+    x = _rows(backend, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(step(x), model(x).softmax(-1))
+    assert explain(step).plain_calls == {"more rows than the largest capture size": 1}
+
+
+def test_strict_mode_raises_where_padding_is_refused(backend):
+    step = graph_step(lambda x: x.sum(0), capture_sizes=[4], strict=True, backend=backend.name)
+    step.prepare(_rows(backend, 4))
+    with pytest.raises(StrictModeError, match="reduction over the batch"):
+        step(_rows(backend, 3))
+
+
+@pytest.mark.parametrize("sizes", [[], [0, 2], [2, 2], [1.5], "4", [True]])
+def test_bad_capture_sizes_raise(sizes):
+    with pytest.raises(ValueError, match="capture_sizes"):
+        graph_step(lambda x: x, capture_sizes=sizes, backend="emulate")
+
+
+def test_arguments_that_disagree_on_their_rows_raise():
+    step = graph_step(lambda x, y: x + y, capture_sizes=[4], backend="emulate")
+    with pytest.raises(ValueError, match="same number of rows"):
+        step(torch.ones(3, 2), torch.ones(2, 2))
+    with pytest.raises(RuntimeError, match="no capture_sizes"):
+        graph_step(lambda x: x, backend="emulate").prepare(torch.ones(2))
