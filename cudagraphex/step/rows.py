@@ -227,7 +227,10 @@ class RowCheck(TorchDispatchMode):
             if any(layouts) and packet not in _METADATA:
                 raise _Refused("an op turns rows into a host value")
             return
-        written = {id(t) for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)} & {id(t) for t in outs}
+        written = (
+            set() if packet in _LIFTS else {id(t) for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)}
+        )
+        written &= {id(t) for t in outs}
         results = self._rule(func, packet, args, kwargs, inputs, layouts, outs)
         for t, layout in zip(outs, results, strict=True):
             if id(t) in written and self._known.get(t) != layout:
