@@ -203,6 +203,8 @@ def _prepare(
     them."""
     import thunder
 
+    import cudagraphex
+
     xs = [torch.full((_NUMEL,), 1.0 + i / k, device=device) for i in range(k)]
     jfn = thunder.jit(fn, executors=[executor, *thunder.get_default_executors()])
     with torch.no_grad():
@@ -213,7 +215,7 @@ def _prepare(
             jfn(*xs)
         sync()
         group[0].setup_s = time.perf_counter() - start
-        regions = thunder.compile_data(jfn)._cudagraphex[executor.name].regions()
+        regions = cudagraphex.inspect(jfn).regions(executor.name)
         if len(regions) != 1 or not regions[0].instances:
             raise RuntimeError(f"expected one captured region, got {len(regions)} region(s)")
         region = regions[0]

@@ -24,8 +24,7 @@ variant, mode after mode:
   and lies between two ``torch.cuda.synchronize``; ``median_us`` is the median over ``reps`` rounds of the time per
   call. Fifteen rounds by default: the blocks of a backward vary by ±25% within one run, eager's as much as any
   graph variant's, and with five rounds the ratio of two variants' medians was 0.68 in one pass of a run and 0.86 in
-  the next (``benchmarks/NOTES.md``, eleventh session). (``Options.interleaved=False`` times each variant right after
-  its setup instead, as earlier runs did.)
+  the next. (``Options.interleaved=False`` times each variant right after its setup instead.)
 * ``in_graphs_us`` (graph variants): the part of that time spent inside the graph runners' calls: the fraction
   :func:`in_graphs_fractions` measures right after the setup, times ``median_us``; the rest is Thunder around them.
 * ``checks_us`` (cudagraphex variants): the part of ``in_graphs_us`` spent outside the replays of the graphs (their
@@ -38,7 +37,7 @@ interleaved timing makes a second case of each compiled model, and reduce-overhe
 failed in CUDA-graph trees ("invalid device pointer"). Set up first because it frees cuBLAS's workspaces when it
 records (``torch._inductor.cudagraph_trees.clear_cublas_manager``). Between the variants of an interleaved workload,
 neither cuBLAS's workspaces nor the allocator's cached blocks are released, since the graphs set up so far run again
-later; an earlier version that released them ended in "illegal memory access" errors (``benchmarks/NOTES.md``).
+later; releasing them there ended in "illegal memory access" errors.
 """
 
 from __future__ import annotations

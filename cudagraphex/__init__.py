@@ -1,6 +1,6 @@
 """cudagraphex: CUDA graphs as a Lightning Thunder executor."""
 
-from cudagraphex.diagnostics import Report, explain
+from cudagraphex.diagnostics import Inspection, Report, explain, inspect
 from cudagraphex.executor import CUDAGraphExecutor, cudagraphex
 from cudagraphex.legacy import CUDAGraphTransform, install_use_cudagraphs_shim, jit
 from cudagraphex.runtime import ParameterMovedError, StrictModeError
@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CUDAGraphExecutor",
     "CUDAGraphTransform",
+    "Inspection",
     "ParameterMovedError",
     "PruneParameterChecks",
     "Report",
@@ -21,6 +22,7 @@ __all__ = [
     "cudagraphex",
     "explain",
     "graph_step",
+    "inspect",
     "install_use_cudagraphs_shim",
     "jit",
 ]

@@ -1,4 +1,5 @@
-"""What cudagraphex captured, and why the rest was left out: :func:`explain`."""
+"""What cudagraphex captured, and why the rest was left out: :func:`explain` (a report) and :func:`inspect` (the
+live regions and graphs, for tools and tests)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from cudagraphex.runtime import FunctionGraphs, GraphedRegion
 from cudagraphex.static_inputs import InputKind
 from cudagraphex.step import StepGraph, StepReport
 
-__all__ = ["GraphReport", "RegionReport", "Report", "TraceReport", "explain"]
+__all__ = ["GraphReport", "Inspection", "RegionReport", "Report", "TraceReport", "explain", "inspect"]
 
 
 @dataclass
@@ -185,14 +186,48 @@ def _region_report(region: GraphedRegion) -> RegionReport:
     )
 
 
-def _function_graphs(fn: Any) -> Iterable[tuple[str, FunctionGraphs]]:
+@dataclass(frozen=True)
+class Inspection:
+    """The graphs behind a compiled function, live: read them, do not change them."""
+
+    #: (label, executor name, graphs) of each Thunder function behind the compiled object, per cudagraphex executor.
+    functions: tuple[tuple[str, str, FunctionGraphs], ...]
+
+    def graphs(self, executor: str | None = None) -> list[FunctionGraphs]:
+        """The graphs of every function, or of those compiled with the executor named ``executor``."""
+        return [g for _, name, g in self.functions if executor is None or name == executor]
+
+    def regions(self, executor: str | None = None, phase: str | None = None) -> list[GraphedRegion]:
+        """The regions, in trace order; ``phase``: only ``"forward"``, ``"backward"`` or ``"computation"`` ones."""
+        return [r for g in self.graphs(executor) for r in g.regions() if phase is None or r.info.phase == phase]
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(r.instances) for r in self.regions())
+
+    @property
+    def replays(self) -> int:
+        return sum(i.replays for r in self.regions() for i in r.instances)
+
+
+def inspect(fn: Any) -> Inspection:
+    """The live regions and graphs cudagraphex built for ``fn`` (a ``thunder.jit``/``thunder.compile`` function or
+    module, or a ``thunderfx`` object): regions, their captured instances, counters, memory and timings.
+
+    Raises:
+        TypeError: if ``fn`` was not compiled by Thunder.
+    """
+    return Inspection(tuple((label, name, graphs) for label, name, graphs in _function_graphs(fn)))
+
+
+def _function_graphs(fn: Any) -> Iterable[tuple[str, str, FunctionGraphs]]:
     """The (label, graphs) of every Thunder-compiled function behind ``fn``."""
     subgraph_infos = getattr(getattr(fn, "_backend", None), "subgraph_infos", None)
     if subgraph_infos is not None:  # thunder.dynamo.thunderfx: one Thunder function per partition
         for i, info in enumerate(subgraph_infos):
             for j, compiled in enumerate(info.thunder_compiled_fns):
-                for label, graphs in _function_graphs(compiled):
-                    yield f"partition {i}.{j}: {label}", graphs
+                for label, name, graphs in _function_graphs(compiled):
+                    yield f"partition {i}.{j}: {label}", name, graphs
         return
     cd = thunder.compile_data(fn)
     if cd is None:
@@ -200,7 +235,7 @@ def _function_graphs(fn: Any) -> Iterable[tuple[str, FunctionGraphs]]:
             f"explain() takes a function compiled by thunder.jit, thunder.compile or thunderfx, got {type(fn).__name__}"
         )
     for name, graphs in getattr(cd, "_cudagraphex", {}).items():
-        yield name, graphs
+        yield name, name, graphs
 
 
 def explain(fn: Any) -> Report | StepReport:
@@ -217,7 +252,7 @@ def explain(fn: Any) -> Report | StepReport:
     if isinstance(fn, StepGraph):
         return fn.report()
     report = Report(function=getattr(fn, "__name__", type(fn).__name__))
-    for label, graphs in _function_graphs(fn):
+    for label, _, graphs in inspect(fn).functions:
         for trace_label, breaks, regions in graphs.traces:
             report.traces.append(
                 TraceReport(

@@ -12,7 +12,7 @@ import thunder
 import torch
 from thunder.extend import register_executor
 
-from cudagraphex import CUDAGraphExecutor, cudagraphex
+from cudagraphex import CUDAGraphExecutor, cudagraphex, inspect
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion
 
@@ -42,11 +42,12 @@ def jit(fn, ex: CUDAGraphExecutor, position: str = "first", **kwargs):
 
 
 def graphs(jfn, ex: CUDAGraphExecutor) -> FunctionGraphs:
-    return thunder.compile_data(jfn)._cudagraphex[ex.name]
+    (found,) = inspect(jfn).graphs(ex.name)
+    return found
 
 
 def regions(jfn, ex: CUDAGraphExecutor, phase: str | None = None) -> list[GraphedRegion]:
-    return [r for r in graphs(jfn, ex).regions() if phase is None or r.info.phase == phase]
+    return inspect(jfn).regions(ex.name, phase)
 
 
 def num_graphs(jfn, ex: CUDAGraphExecutor, phase: str | None = None) -> int:

@@ -30,7 +30,8 @@ def transform_for(backend, **kwargs) -> CUDAGraphTransform:
 
 
 def transform_graphs(jfn, transform: CUDAGraphTransform) -> FunctionGraphs:
-    return thunder.compile_data(jfn)._cudagraphex[transform.executor.name]
+    (found,) = cudagraphex.inspect(jfn).graphs(transform.executor.name)
+    return found
 
 
 def cuda_graph_symbols(trace) -> list[str]:

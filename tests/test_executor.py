@@ -17,7 +17,7 @@ from thunder.extend import FusionExecutor, OperatorExecutor, get_executor, regis
 
 import cudagraphex.executor as executor_module
 from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
-from cudagraphex import CUDAGraphExecutor, cudagraphex, explain
+from cudagraphex import CUDAGraphExecutor, cudagraphex, explain, inspect
 from cudagraphex.regions import RegionSpec, refused_rematerialization
 from cudagraphex.runtime import GraphedRegion
 from cudagraphex.static_inputs import InputKind
@@ -599,3 +599,21 @@ def test_last_position_wraps_another_executors_fusion():
     (region,) = regions(jm, emulated)
     assert region.info.num_ops == 4 and replays(jm, emulated) == 2
     assert "TorchCompile" in str(thunder.last_traces(jm)[-1])
+
+
+def test_inspect_shows_the_live_regions_and_graphs():
+    def f(x):
+        return (x.sin() * 2).cos() + 1
+
+    jf = jit(f, emulated)
+    x = torch.randn(4)
+    for _ in range(3):
+        jf(x)
+    view = inspect(jf)
+    (region,) = view.regions(emulated.name)
+    assert view.regions(emulated.name, phase="backward") == []
+    assert view.graphs("no such executor") == []
+    assert view.num_graphs == len(region.instances) == 1
+    assert view.replays == region.instances[0].replays == 2  # the warm-up runs eagerly, the capture replays
+    with pytest.raises(TypeError, match="compiled by thunder"):
+        inspect(f)
