@@ -21,7 +21,7 @@ from thunder.core.codeutils import SigInfo
 from thunder.core.compile_data import get_compile_data
 from thunder.core.proxies import TensorProxy, unvariableify
 from thunder.core.symbol import BoundSymbol, Symbol
-from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace, tracectx
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder.executors.passes import (
     _transform_for_operator_executor_execution,
     del_last_used,
@@ -45,10 +45,11 @@ from cudagraphex.regions import (
     refused_rematerialization,
     rng_state_inputs,
     static_outputs,
+    trace_kind,
 )
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion, GraphOptions, RegionInfo
 from cudagraphex.safety import unsafe_reason
-from cudagraphex.static_inputs import classify_inputs
+from cudagraphex.static_inputs import classify_inputs, static_names
 from cudagraphex.trusted_parameters import TRUSTED_ATTRIBUTE
 
 __all__ = ["CUDAGraphExecutor", "cudagraphex"]
@@ -166,7 +167,8 @@ class CUDAGraphExecutor(FusionExecutor):
         start = time.perf_counter()
         declared = _declared_static(trace, num_static_inputs)
         graphs = self._function_graphs()
-        is_backward = TraceTag.BACKWARD in trace.tags
+        kind = trace_kind(trace)
+        is_backward = kind == "backward"
         earlier_outputs = graphs.forward_graph_outputs if is_backward else frozenset()
         inner = self._inner_executors()
         plan = plan_regions(
@@ -178,11 +180,11 @@ class CUDAGraphExecutor(FusionExecutor):
             kept_whole=_kept_whole_by(inner),
         )
         regions: list[GraphedRegion] = []
-        graphs.traces.append((_label(trace), plan.breaks, regions))
+        graphs.traces.append((kind, plan.breaks, regions))
         if not plan.regions:
             logger.info(
                 "cudagraphex: nothing to capture in this %s trace (no run of graph-safe symbols on a %s device)",
-                _label(trace),
+                kind,
                 self.device_type,
             )
 
@@ -206,7 +208,7 @@ class CUDAGraphExecutor(FusionExecutor):
                 earlier.append(name)
             else:
                 bsyms.append(item)
-        if TraceTag.AUGMENTED_FORWARD in trace.tags:
+        if kind == "forward":
             graphs.forward_graph_outputs = frozenset(graph_outputs)
 
         fused = from_trace(trace)
@@ -314,7 +316,7 @@ class CUDAGraphExecutor(FusionExecutor):
             fusion.regions[:] = [region if r.name == name else r for r in fusion.regions]
         else:
             fusion.regions.append(region)
-        static = {p.name for p, kind in zip(spec.inputs, kinds, strict=True) if kind.is_static}
+        static = static_names(spec.inputs, kinds)
         graphs.fusions[name] = dataclasses.replace(
             fusion, bsym=bsym, static_outputs=static_outputs(spec, static.__contains__)
         )
@@ -348,7 +350,7 @@ def _declared_static(trace: TraceCtx, num_static_inputs: int | None) -> frozense
         return frozenset()
     if not isinstance(num_static_inputs, int) or isinstance(num_static_inputs, bool) or num_static_inputs < 0:
         raise ValueError(f"num_static_inputs must be a non-negative int, got {num_static_inputs!r}")
-    if TraceTag.BACKWARD not in trace.tags:
+    if trace_kind(trace) != "backward":
         raise ValueError("num_static_inputs applies to backward traces (traces tagged TraceTag.BACKWARD) only")
     saved = [p for p in trace.args[0][0] if isinstance(p, TensorProxy)]
     if num_static_inputs > len(saved):
@@ -369,16 +371,6 @@ def _fused_by(inner: Sequence[Executor]) -> Callable[[BoundSymbol], bool]:
     ``required_ops`` (torch.compile's cross-entropy and cat executors) fuses only regions holding one of those."""
     fusers = [ex for ex in inner if isinstance(ex, FusionExecutor) and getattr(ex, "required_ops", None) is None]
     return lambda bsym: any(ex.can_fuse(bsym) for ex in fusers)
-
-
-def _label(trace: TraceCtx) -> str:
-    if TraceTag.BACKWARD in trace.tags:
-        return "backward"
-    if TraceTag.AUGMENTED_FORWARD in trace.tags:
-        return "forward"
-    if any(b.sym.id == prims.PrimIDs.GET_GRAD for b in trace.bound_symbols):
-        return "forward+backward"
-    return "computation"
 
 
 def _region_callable(name: str, spec: RegionSpec, inner: Sequence[Executor]):

@@ -33,8 +33,8 @@ from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.executors.torchex import ex as torch_executor
 
-from cudagraphex.safety import TRANSPARENT, is_inplace_write, rng_state_args
-from cudagraphex.static_inputs import classify_inputs
+from cudagraphex.safety import TRANSPARENT, UNPACKS, is_inplace_write, rng_state_args
+from cudagraphex.static_inputs import classify_inputs, static_names
 
 __all__ = [
     "Break",
@@ -46,10 +46,10 @@ __all__ = [
     "rng_state_inputs",
     "source_line",
     "static_outputs",
+    "trace_kind",
 ]
 
-_UNPACKS = frozenset(p for p in prims.PrimIDs if p.name.startswith("UNPACK_"))
-_STRUCTURAL = _UNPACKS | {prims.PrimIDs.RETURN, "clear_mutable_collection"}
+_STRUCTURAL = UNPACKS | {prims.PrimIDs.RETURN, "clear_mutable_collection"}
 
 
 def _view_symbol_ids() -> frozenset:
@@ -148,17 +148,23 @@ def _device_of(bsym: BoundSymbol) -> str | None:
     return None
 
 
-def _phases(trace: TraceCtx) -> Callable[[int], str]:
+def trace_kind(trace: TraceCtx) -> str:
+    """ "backward", "forward" (Thunder's augmented forward), "forward+backward" (a joint trace, split at its first
+    ``get_grad``) or "computation" (no backward)."""
     if TraceTag.BACKWARD in trace.tags:
-        return lambda i: "backward"
+        return "backward"
     if TraceTag.AUGMENTED_FORWARD in trace.tags:
-        return lambda i: "forward"
-    first_get_grad = next(
-        (i for i, b in enumerate(trace.bound_symbols) if b.sym.id == prims.PrimIDs.GET_GRAD),
-        None,
-    )
-    if first_get_grad is None:
-        return lambda i: "computation"
+        return "forward"
+    if any(b.sym.id == prims.PrimIDs.GET_GRAD for b in trace.bound_symbols):
+        return "forward+backward"
+    return "computation"
+
+
+def _phases(trace: TraceCtx) -> Callable[[int], str]:
+    kind = trace_kind(trace)
+    if kind != "forward+backward":
+        return lambda i: kind
+    first_get_grad = next(i for i, b in enumerate(trace.bound_symbols) if b.sym.id == prims.PrimIDs.GET_GRAD)
     return lambda i: "forward" if i < first_get_grad else "backward"
 
 
@@ -473,7 +479,7 @@ class _Planner:
         """Whether ``name`` is, possibly through update_aliases, an input of the trace."""
         while name in self.producer:
             _, b = self.producer[name]
-            if b.sym.id in _UNPACKS:
+            if b.sym.id in UNPACKS:
                 return True
             if b.sym.id != prims.PrimIDs.UPDATE_ALIASES and b.sym.name != "update_aliases":
                 return False
@@ -489,7 +495,7 @@ class _Planner:
             declared_static=self.declared_static,
             mutated_trace_inputs=spec.mutated_trace_inputs,
         )
-        return {p.name for p, kind in zip(spec.inputs, kinds, strict=True) if kind.is_static}
+        return set(static_names(spec.inputs, kinds))
 
     def _hazards(self, plan: Plan) -> dict[int, str]:
         hazards: dict[int, str] = {}

@@ -42,11 +42,12 @@ def _with_torch_lowerings(ids: Iterable, reason: str) -> dict:
     return out
 
 
-_UNPACKS = [p for p in prims.PrimIDs if p.name.startswith("UNPACK_")]
+#: Thunder's symbols that unpack a trace's inputs.
+UNPACKS = frozenset(p for p in prims.PrimIDs if p.name.startswith("UNPACK_"))
 
 #: Symbol ids that never enter a graph, with the reason recorded for them.
 NEVER_CAPTURED: dict = {
-    **{p: "unpacks the trace's inputs on the host" for p in _UNPACKS},
+    **{p: "unpacks the trace's inputs on the host" for p in UNPACKS},
     prims.PrimIDs.RETURN: "returns from the trace",
     prims.PrimIDs.GET_GRAD: "marks where the backward pass starts",
     "clear_mutable_collection": "empties a Python collection",

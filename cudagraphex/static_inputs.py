@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Sequence
+from typing import Any
 
 from thunder.core.proxies import Proxy, ProxyTag, TensorProxy
 
-__all__ = ["InputKind", "classify_inputs"]
+__all__ = ["InputKind", "classify_inputs", "static_names"]
 
 
 class InputKind(enum.Enum):
@@ -73,3 +74,8 @@ def classify_inputs(
         else:
             kinds.append(InputKind.COPIED)
     return kinds
+
+
+def static_names(inputs: Sequence[Any], kinds: Sequence[InputKind]) -> frozenset[str]:
+    """The names of the inputs that ``classify_inputs`` found static."""
+    return frozenset(p.name for p, kind in zip(inputs, kinds, strict=True) if kind.is_static)
