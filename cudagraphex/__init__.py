@@ -1,11 +1,11 @@
 """cudagraphex: CUDA graphs as a Lightning Thunder executor."""
 
+from cudagraphex.compat.legacy import CUDAGraphTransform, install_use_cudagraphs_shim, jit
+from cudagraphex.compat.trusted_parameters import PruneParameterChecks
 from cudagraphex.diagnostics import Inspection, Report, explain, inspect
 from cudagraphex.executor import CUDAGraphExecutor, cudagraphex
-from cudagraphex.legacy import CUDAGraphTransform, install_use_cudagraphs_shim, jit
 from cudagraphex.runtime import ParameterMovedError, StrictModeError
 from cudagraphex.step import StepGraph, StepReport, graph_step
-from cudagraphex.trusted_parameters import PruneParameterChecks
 
 __version__ = "0.1.0"
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import thunder
 
-from cudagraphex.regions import Break
+from cudagraphex.planning.regions import Break
+from cudagraphex.planning.static_inputs import InputKind
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion
-from cudagraphex.static_inputs import InputKind
 from cudagraphex.step import StepGraph, StepReport
 
 __all__ = ["GraphReport", "Inspection", "RegionReport", "Report", "TraceReport", "explain", "inspect"]

@@ -37,7 +37,8 @@ from thunder.extend import (
 
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.capture import backend_for
-from cudagraphex.regions import (
+from cudagraphex.compat.trusted_parameters import TRUSTED_ATTRIBUTE
+from cudagraphex.planning.regions import (
     RegionSpec,
     count_ops,
     input_aliases,
@@ -47,10 +48,9 @@ from cudagraphex.regions import (
     static_outputs,
     trace_kind,
 )
+from cudagraphex.planning.safety import unsafe_reason
+from cudagraphex.planning.static_inputs import classify_inputs, static_names
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion, GraphOptions, RegionInfo
-from cudagraphex.safety import unsafe_reason
-from cudagraphex.static_inputs import classify_inputs, static_names
-from cudagraphex.trusted_parameters import TRUSTED_ATTRIBUTE
 
 __all__ = ["CUDAGraphExecutor", "cudagraphex"]
 
@@ -74,7 +74,7 @@ class _Fusion:
     earlier: tuple[str, ...] = ()
     #: When it was last built or handed back; an earlier fusion not handed back since is no longer in the trace.
     tick: int = dataclasses.field(default_factory=lambda: next(_ticks))
-    #: The outputs a later graph may read where they are (see :func:`~cudagraphex.regions.static_outputs`).
+    #: The outputs a later graph may read where they are (see :func:`~cudagraphex.planning.regions.static_outputs`).
     static_outputs: frozenset[str] = frozenset()
 
 

@@ -19,9 +19,9 @@ from thunder.extend import OperatorExecutor, register_executor
 from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
 from cudagraphex import CUDAGraphExecutor, StrictModeError, explain
 from cudagraphex.capture import is_capturing
+from cudagraphex.planning.static_inputs import InputKind
 from cudagraphex.runtime.handout import sharing_one_version
 from cudagraphex.runtime.liveness import Liveness
-from cudagraphex.static_inputs import InputKind
 from tests.helpers import (
     assert_grads_close,
     emulated,

@@ -11,7 +11,7 @@ import pytest
 import thunder.distributed.prims as dist_prims
 from thunder.executors.torchex import ex as torch_executor
 
-from cudagraphex.safety import NEVER_CAPTURED
+from cudagraphex.planning.safety import NEVER_CAPTURED
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 ROOT = WORKER.parent.parent

@@ -16,12 +16,12 @@ from thunder.core.trace import TraceTag
 from thunder.extend import get_executor
 
 import cudagraphex
-import cudagraphex.legacy
+import cudagraphex.compat.legacy
 from benchmarks.models import GPT, GPTConfig, mlp
 from cudagraphex import CUDAGraphExecutor, CUDAGraphTransform, explain
-from cudagraphex.legacy import CUDAGraphsPlugin
+from cudagraphex.compat.legacy import CUDAGraphsPlugin
+from cudagraphex.planning.static_inputs import InputKind
 from cudagraphex.runtime import FunctionGraphs
-from cudagraphex.static_inputs import InputKind
 from tests.helpers import BACKENDS, assert_grads_close, emulated, jit, twin
 
 
@@ -313,7 +313,7 @@ def test_use_cudagraphs_shim():
 def test_plugin_is_registered_and_adds_the_executor(backend):
     from thunder.core.recipe import Recipe
 
-    from cudagraphex.legacy import CUDAGraphsPlugin
+    from cudagraphex.compat.legacy import CUDAGraphsPlugin
 
     assert thunder.plugins.get_plugin("cudagraphex") is CUDAGraphsPlugin
     model = mlp(3, 16).to(backend.device)
@@ -336,7 +336,7 @@ def test_plugin_without_a_recipe_and_without_nvfuser(caplog, monkeypatch):
     """``thunder.compile(model, plugins="cudagraphex")`` as written: Thunder's default recipe would ask for nvFuser."""
     if get_executor("nvfuser") is not None:
         pytest.skip("nvFuser is installed: the default recipe uses it")
-    monkeypatch.setattr(cudagraphex.legacy, "_announced_fuser_fallback", False)
+    monkeypatch.setattr(cudagraphex.compat.legacy, "_announced_fuser_fallback", False)
     model = mlp(3, 16)
     with caplog.at_level(logging.INFO, logger="cudagraphex"):
         jm = thunder.compile(model, plugins="cudagraphex")
@@ -368,9 +368,9 @@ def test_plugin_without_a_recipe_captures_and_replays():
 
 
 def test_plugin_without_a_recipe_and_without_any_fuser(caplog, monkeypatch):
-    monkeypatch.setattr(cudagraphex.legacy, "_announced_fuser_fallback", False)
+    monkeypatch.setattr(cudagraphex.compat.legacy, "_announced_fuser_fallback", False)
     missing = {"nvfuser", "torchcompile"}
-    monkeypatch.setattr(cudagraphex.legacy, "get_executor", lambda n: None if n in missing else get_executor(n))
+    monkeypatch.setattr(cudagraphex.compat.legacy, "get_executor", lambda n: None if n in missing else get_executor(n))
     model = mlp(3, 16)
     with caplog.at_level(logging.INFO, logger="cudagraphex"):
         jm = thunder.compile(model, plugins=CUDAGraphsPlugin(emulated))
@@ -390,9 +390,9 @@ def test_default_recipe_keeps_nvfuser_where_installed_and_without_the_plugin(cap
     import thunder.recipes.base
     from thunder.core.recipe import Recipe
 
-    monkeypatch.setattr(cudagraphex.legacy, "_announced_fuser_fallback", False)
+    monkeypatch.setattr(cudagraphex.compat.legacy, "_announced_fuser_fallback", False)
     model = mlp(1, 4)
-    assert type(Recipe.get_for_model(model)) is cudagraphex.legacy._DefaultRecipe
+    assert type(Recipe.get_for_model(model)) is cudagraphex.compat.legacy._DefaultRecipe
 
     without_plugin = Recipe.get_for_model(model)  # nvFuser is asked for, as by Thunder's own default recipe
     with caplog.at_level(logging.INFO, logger="cudagraphex"):
@@ -405,7 +405,7 @@ def test_default_recipe_keeps_nvfuser_where_installed_and_without_the_plugin(cap
     def installed(name):
         return nvfuser if name == "nvfuser" else get_executor(name)
 
-    monkeypatch.setattr(cudagraphex.legacy, "get_executor", installed)
+    monkeypatch.setattr(cudagraphex.compat.legacy, "get_executor", installed)
     monkeypatch.setattr(thunder.recipes.base, "get_executor", installed)
     with_plugin = Recipe.get_for_model(model)
     with_plugin.add_plugins([CUDAGraphsPlugin()])

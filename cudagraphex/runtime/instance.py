@@ -26,11 +26,11 @@ import torch
 
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.capture import EmulatedGraph, unexpand
+from cudagraphex.planning.static_inputs import InputKind
 from cudagraphex.runtime.guards import addresses_equal, layout_guard
 from cudagraphex.runtime.handout import Handout
 from cudagraphex.runtime.liveness import Liveness, Pool
 from cudagraphex.runtime.staging import input_buffer, picker
-from cudagraphex.static_inputs import InputKind
 
 if TYPE_CHECKING:
     from cudagraphex.runtime.region import GraphedRegion

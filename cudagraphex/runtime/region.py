@@ -32,11 +32,11 @@ import torch
 from cudagraphex import capture as _backends
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.capture import CaptureFailed, CudaBackend, EmulatedBackend
+from cudagraphex.planning.static_inputs import InputKind
 from cudagraphex.runtime.instance import Instance
 from cudagraphex.runtime.liveness import Pool
 from cudagraphex.runtime.options import GraphOptions, ParameterMovedError, RegionInfo, StrictModeError
 from cudagraphex.runtime.staging import signature
-from cudagraphex.static_inputs import InputKind
 
 __all__ = ["FunctionGraphs", "GraphedRegion"]
 

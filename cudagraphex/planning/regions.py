@@ -33,8 +33,8 @@ from thunder.core.symbol import BoundSymbol, BoundSymbolTag
 from thunder.core.trace import TraceCtx, TraceTag
 from thunder.executors.torchex import ex as torch_executor
 
-from cudagraphex.safety import TRANSPARENT, UNPACKS, is_inplace_write, rng_state_args
-from cudagraphex.static_inputs import classify_inputs, static_names
+from cudagraphex.planning.safety import TRANSPARENT, UNPACKS, is_inplace_write, rng_state_args
+from cudagraphex.planning.static_inputs import classify_inputs, static_names
 
 __all__ = [
     "Break",
@@ -117,7 +117,7 @@ class RegionSpec:
     written: dict[int, frozenset[str]] = field(default_factory=dict, repr=False)
     #: For each output that may share memory with inputs (a view of one), those inputs.
     aliases: dict[str, frozenset[str]] = field(default_factory=dict, repr=False)
-    #: Inputs that members read as dropout RNG state (see :data:`~cudagraphex.safety.RNG_STATE_PARAMETERS`).
+    #: Inputs that members read as dropout RNG state (see :data:`~cudagraphex.planning.safety.RNG_STATE_PARAMETERS`).
     rng_state_inputs: frozenset[str] = frozenset()
 
 
