@@ -192,6 +192,23 @@ def test_a_process_that_ran_torch_compile_is_not_padded(backend, monkeypatch):
     assert "torch.compile" in explain(step).not_padded[4]
 
 
+def test_a_call_whose_argument_requires_grad_is_not_padded(backend):
+    """Its gradient would not reach it through the graph's buffer: the call runs as is."""
+    weight = torch.randn(16, 16, device=backend.device)
+
+    def fn(x):
+        return (x @ weight).tanh()
+
+    step = graph_step(fn, capture_sizes=[4], backend=backend.name)
+    step.prepare(_rows(backend, 4))
+    x = _rows(backend, 3)
+    x_step, x_eager = x.clone().requires_grad_(), x.clone().requires_grad_()
+    step(x_step).sum().backward()
+    fn(x_eager).sum().backward()
+    torch.testing.assert_close(x_step.grad, x_eager.grad)
+    assert explain(step).padded_calls == 0
+
+
 def test_more_rows_than_the_largest_size_run_as_is(backend):
     model, serve = _serving(backend)
     step = graph_step(serve, capture_sizes=[2], backend=backend.name)

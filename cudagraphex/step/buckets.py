@@ -6,7 +6,7 @@ Invariants
 Which calls are padded
     With ``capture_sizes``, every tensor argument of dim >= 1 carries the batch along dim 0, all with the same number
     of rows. A call whose rows equal a capture size is an ordinary call. A call with fewer rows than some capture size
-    replays the graph of the next capture size, if :class:`~cudagraphex.rows.RowCheck` found that graph's step
+    replays the graph of the next capture size, if :class:`~cudagraphex.step.rows.RowCheck` found that graph's step
     row-independent on its last warm-up call; otherwise it runs ``fn`` as is. A call with more rows than the largest
     size runs ``fn`` as is.
 
@@ -59,7 +59,11 @@ def rows_key(flat: list, spec: Any, size: int) -> tuple:
     return (
         size,
         str(spec),
-        tuple((a.dim(), tuple(a.shape[1:]), a.dtype, a.device) if is_tensor(a) else (type(a), a) for a in flat),
+        # requires_grad: a gradient would not reach such an argument through the graph's buffer
+        tuple(
+            (a.dim(), tuple(a.shape[1:]), a.dtype, a.device, a.requires_grad) if is_tensor(a) else (type(a), a)
+            for a in flat
+        ),
     )
 
 

@@ -43,7 +43,7 @@ What is not captured
 
 Batch-size buckets
     With ``capture_sizes``, a call with fewer rows than a capture size replays that size's graph on its rows padded
-    and gets its rows of each output back (``cudagraphex.buckets``), where the check of ``cudagraphex.rows`` found the
+    and gets its rows of each output back (``cudagraphex.step.buckets``), where the check of ``cudagraphex.step.rows`` found the
     step's rows independent on the last warm-up call of that size; otherwise, with the reason in the report, it runs
     ``fn`` as is. The step must run the same ops for every batch size up to a capture size.
 
@@ -216,7 +216,7 @@ class StepGraph:
         write_back(args, graph.buffers, graph.written)
         return handed_out(graph.outputs, graph.out_spec)
 
-    # -- batch-size buckets (see cudagraphex.buckets) -------------------------------------------------------------------
+    # -- batch-size buckets (see cudagraphex.step.buckets) --------------------------------------------------------------
 
     def prepare(self, *args: Any, **kwargs: Any) -> None:
         """Warms up and captures the step at every capture size, largest first, from example arguments.
@@ -466,7 +466,7 @@ def graph_step(
         strict: raise :class:`~cudagraphex.StrictModeError` instead of running ``fn`` without the step graph.
         backend: ``"cuda"``, or ``"emulate"``: the CPU replay backend, which reruns ``fn`` and keeps the slots.
         capture_sizes: batch sizes (dim 0 of every tensor argument) to capture; a call with fewer rows than a size
-            replays that size's graph on its rows padded, where the step's rows are independent (``cudagraphex.rows``),
+            replays that size's graph on its rows padded, where the step's rows are independent (``cudagraphex.step.rows``),
             and gets its rows of each output back. Use :meth:`StepGraph.prepare` to capture every size up front.
 
     Raises:
