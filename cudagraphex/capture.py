@@ -50,7 +50,7 @@ step_depth = 0
 
 @contextlib.contextmanager
 def whole_step() -> Iterator[None]:
-    """While a whole step warms up or is captured, regions run their symbols as plain code (see ``cudagraphex.step``)."""
+    """While a whole step warms up or is captured, regions run their symbols as plain code (``cudagraphex.step``)."""
     global step_depth
     step_depth += 1
     try:

@@ -43,9 +43,10 @@ What is not captured
 
 Batch-size buckets
     With ``capture_sizes``, a call with fewer rows than a capture size replays that size's graph on its rows padded
-    and gets its rows of each output back (``cudagraphex.step.buckets``), where the check of ``cudagraphex.step.rows`` found the
-    step's rows independent on the last warm-up call of that size; otherwise, with the reason in the report, it runs
-    ``fn`` as is. The step must run the same ops for every batch size up to a capture size.
+    and gets its rows of each output back (``cudagraphex.step.buckets``), where the check of
+    ``cudagraphex.step.rows`` found the step's rows independent on the last warm-up call of that size; otherwise,
+    with the reason in the report, it runs ``fn`` as is. The step must run the same ops for every batch size up to a
+    capture size.
 
 What the caller gets back
     ``fn``'s return value, with each tensor a new copy of the graph's output (detached: the step consumed its
@@ -216,7 +217,7 @@ class StepGraph:
         write_back(args, graph.buffers, graph.written)
         return handed_out(graph.outputs, graph.out_spec)
 
-    # -- batch-size buckets (see cudagraphex.step.buckets) --------------------------------------------------------------
+    # -- batch-size buckets (see cudagraphex.step.buckets) ---------------------------------------------------------
 
     def prepare(self, *args: Any, **kwargs: Any) -> None:
         """Warms up and captures the step at every capture size, largest first, from example arguments.
@@ -466,8 +467,9 @@ def graph_step(
         strict: raise :class:`~cudagraphex.StrictModeError` instead of running ``fn`` without the step graph.
         backend: ``"cuda"``, or ``"emulate"``: the CPU replay backend, which reruns ``fn`` and keeps the slots.
         capture_sizes: batch sizes (dim 0 of every tensor argument) to capture; a call with fewer rows than a size
-            replays that size's graph on its rows padded, where the step's rows are independent (``cudagraphex.step.rows``),
-            and gets its rows of each output back. Use :meth:`StepGraph.prepare` to capture every size up front.
+            replays that size's graph on its rows padded, where the step's rows are independent
+            (``cudagraphex.step.rows``), and gets its rows of each output back. Use :meth:`StepGraph.prepare` to
+            capture every size up front.
 
     Raises:
         TypeError: for a module or optimizer of the wrong type.

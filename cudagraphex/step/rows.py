@@ -13,13 +13,14 @@ What padding relies on
 
 How rows are tracked
     Every tensor argument carries the batch along dim 0; its other dims are the same for every call padded into one
-    graph (``cudagraphex.step.buckets``), so they do not come from the batch. A tensor that carries it is ``Rows(axis, inner)``: dim
-    ``axis`` holds the batch in blocks of ``inner``, one block per row (a view that flattens (B, T) into B*T keeps
-    inner T). Tensors that existed before the call (parameters, buffers, caches) and tensors computed from them alone
-    carry no rows. A tensor given a size by the step (a factory such as ``zeros`` or ``arange``, ``expand``,
-    ``repeat``) whose dim is a multiple of the batch size may have taken that size from the batch: it is
+    graph (``cudagraphex.step.buckets``), so they do not come from the batch. A tensor that carries the batch is
+    ``Rows(axis, inner)``: dim ``axis`` holds it in blocks of ``inner``, one block per row (a view that flattens (B, T)
+    into B*T keeps inner T). Tensors that existed before the call (parameters, buffers, caches) and tensors computed
+    from them alone carry no rows. A tensor given a size by the step (a factory such as ``zeros`` or ``arange``,
+    ``expand``, ``repeat``) whose dim is a multiple of the batch size may have taken that size from the batch: it is
     ``Maybe(axes)`` until an elementwise op lines it up with a batch axis (it carries rows) or with a dim of a tensor
     that carries rows elsewhere (it does not).
+
 
 What refuses padding (the first such op is the reason)
     An op that mixes rows: a reduction, contraction, sort, scan, index or slice along the batch axis, a view that

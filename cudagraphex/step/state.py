@@ -190,9 +190,9 @@ def state_layout(tensors: list) -> tuple:
 
 def keep_slots(slots: Slots, before: list, *, restore: bool = False) -> None:
     """Gives every gradient and buffer slot whose tensor the step replaced its tensor from ``before`` back, with the
-    new value copied in (see "Slots keep their tensors" in ``cudagraphex.step.graph``). A slot that was empty, that the step
-    emptied, or whose new tensor has another layout keeps what the step left. With ``restore``, every such slot gets
-    its old tensor back unchanged (a failed capture, whose device work never ran)."""
+    new value copied in (see "Slots keep their tensors" in ``cudagraphex.step.graph``). A slot that was empty, that the
+    step emptied, or whose new tensor has another layout keeps what the step left. With ``restore``, every such slot
+    gets its old tensor back unchanged (a failed capture, whose device work never ran)."""
     after = slots.tensors()
     with torch.no_grad():
         for i, (old, new) in enumerate(zip(before, after, strict=True)):
