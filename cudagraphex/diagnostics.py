@@ -201,13 +201,13 @@ class Inspection:
         """The regions, in trace order; ``phase``: only ``"forward"``, ``"backward"`` or ``"computation"`` ones."""
         return [r for g in self.graphs(executor) for r in g.regions() if phase is None or r.info.phase == phase]
 
-    @property
-    def num_graphs(self) -> int:
-        return sum(len(r.instances) for r in self.regions())
+    def num_graphs(self, executor: str | None = None, phase: str | None = None) -> int:
+        """Captured graphs of the regions :meth:`regions` selects."""
+        return sum(len(r.instances) for r in self.regions(executor, phase))
 
-    @property
-    def replays(self) -> int:
-        return sum(i.replays for r in self.regions() for i in r.instances)
+    def replays(self, executor: str | None = None, phase: str | None = None) -> int:
+        """Replays of the graphs of the regions :meth:`regions` selects."""
+        return sum(i.replays for r in self.regions(executor, phase) for i in r.instances)
 
 
 def inspect(fn: Any) -> Inspection:

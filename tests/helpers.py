@@ -51,11 +51,11 @@ def regions(jfn, ex: CUDAGraphExecutor, phase: str | None = None) -> list[Graphe
 
 
 def num_graphs(jfn, ex: CUDAGraphExecutor, phase: str | None = None) -> int:
-    return sum(len(r.instances) for r in regions(jfn, ex, phase))
+    return inspect(jfn).num_graphs(ex.name, phase)
 
 
 def replays(jfn, ex: CUDAGraphExecutor) -> int:
-    return sum(i.replays for r in regions(jfn, ex) for i in r.instances)
+    return inspect(jfn).replays(ex.name)
 
 
 @contextmanager

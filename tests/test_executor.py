@@ -613,7 +613,8 @@ def test_inspect_shows_the_live_regions_and_graphs():
     (region,) = view.regions(emulated.name)
     assert view.regions(emulated.name, phase="backward") == []
     assert view.graphs("no such executor") == []
-    assert view.num_graphs == len(region.instances) == 1
-    assert view.replays == region.instances[0].replays == 2  # the warm-up runs eagerly, the capture replays
+    assert view.num_graphs() == view.num_graphs(emulated.name, "computation") == len(region.instances) == 1
+    assert view.num_graphs(emulated.name, "forward") == 0
+    assert view.replays() == region.instances[0].replays == 2  # the warm-up runs eagerly, the capture replays
     with pytest.raises(TypeError, match="compiled by thunder"):
         inspect(f)
