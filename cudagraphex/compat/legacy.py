@@ -23,13 +23,14 @@ import thunder.plugins
 from thunder.core.proxies import TensorProxy
 from thunder.core.recipe import Plugin, PluginPolicy, Recipe
 from thunder.core.symbol import BoundSymbol
-from thunder.core.trace import TraceCtx, TraceTag
+from thunder.core.trace import TraceCtx
 from thunder.core.transform_common import Transform
 from thunder.extend import Executor, get_executor
 from thunder.recipes import BaseRecipe
 from typing_extensions import Self
 
 from cudagraphex.executor import CUDAGraphExecutor, cudagraphex
+from cudagraphex.planning.regions import trace_kind
 from cudagraphex.runtime import FunctionGraphs
 
 __all__ = ["CUDAGraphTransform", "CUDAGraphsPlugin", "install_use_cudagraphs_shim", "jit"]
@@ -150,7 +151,7 @@ class CUDAGraphTransform(Transform):
 
     def transform_trace_post_optimization(self, trace: TraceCtx, **kwargs: Any) -> TraceCtx:
         num_static_inputs = None
-        if TraceTag.BACKWARD in trace.tags:
+        if trace_kind(trace) == "backward":
             num_static_inputs = sum(isinstance(p, TensorProxy) for p in trace.args[0][0])
         return self.executor.fusion_pass(trace, num_static_inputs=num_static_inputs)
 
