@@ -237,3 +237,36 @@ def llama_decode(
     parameters = inspect.signature(LlamaDecoderLayer.forward).parameters
     cache_kwarg = next(name for name in ("cache", "past_key_values", "past_key_value") if name in parameters)
     return LlamaDecodeStep(model, cache, max_cache_len, cache_kwarg).to(device)
+
+
+class CausalLMLoss(nn.Module):
+    """A Hugging Face causal language model called for training: ``forward(input_ids, labels)`` returns the model's
+    own next-token cross-entropy loss (no KV cache).
+
+    Attention runs through ``causal_sdpa``, registered with transformers' ``AttentionInterface``: scaled dot-product
+    attention with ``is_causal=True`` and the key/value heads repeated for grouped-query attention. Hugging Face's
+    own ``sdpa`` path cannot be traced by ``thunder.jit`` in training: its mask builder takes the ``torch.vmap`` path
+    under Thunder, and its grouped-query call passes ``enable_gqa``, which Thunder 0.2.6's SDPA does not accept.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("causal_sdpa", _causal_sdpa)
+        model.config._attn_implementation = "causal_sdpa"
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+
+def _causal_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal attention for :class:`CausalLMLoss` (the signature of transformers' attention functions; the mask is
+    ignored: the calls have no padding)."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=True)
+    return out.transpose(1, 2).contiguous(), None

@@ -109,6 +109,7 @@ _WORKLOAD_COST_S = {
     "nanogpt6-d256-t32-b1": 18,
     "nanogpt-thunder-tests": 14,
     "llama-decode": 10,
+    "llama1b-4l-train": 40,
     "gpt2-124m": 36,
     "gpt12-d1024-b8-t512": 36,
 }

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from benchmarks.models import GPT, GPTConfig, llama_decode, mlp, thunder_nanogpt
+from benchmarks.models import GPT, CausalLMLoss, GPTConfig, llama_decode, mlp, thunder_nanogpt
 
 __all__ = ["MODES", "TRAINING_MODES", "WORKLOADS", "Setup", "Workload", "transformers_available"]
 
@@ -145,6 +145,22 @@ def _build_llama(device: torch.device, plan: bool) -> Setup:
     return Setup(model, (input_ids, cache_position), None, dtype, reduced)
 
 
+def _build_llama_train(device: torch.device, plan: bool) -> Setup:
+    from transformers import LlamaForCausalLM
+
+    from benchmarks.generate import llama_1b_config
+
+    _seeded()
+    dtype = torch.float32 if plan else torch.bfloat16
+    batch, tokens = (1, 32) if plan else (2, 1024)
+    model = CausalLMLoss(LlamaForCausalLM(llama_1b_config(tiny=plan, layers=1 if plan else 4)))
+    model = model.to(device=device, dtype=dtype)
+    input_ids = torch.randint(0, model.model.config.vocab_size, (batch, tokens), device=device)
+    labels = torch.randint(0, model.model.config.vocab_size, (batch, tokens), device=device)
+    reduced = "1 layer of width 64, vocab 256, 32 tokens, fp32" if plan else ""
+    return Setup(model, (input_ids, labels), (input_ids, labels), dtype, reduced)
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -173,6 +189,14 @@ WORKLOADS: dict[str, Workload] = {
             " position 32 of a 256-long static KV cache, batch 1, bf16",
             ("inference",),
             _build_llama,
+            needs_transformers=True,
+        ),
+        Workload(
+            "llama1b-4l-train",
+            "HF LlamaForCausalLM with Llama-3.2-1B's configuration cut to 4 of its 16 layers (random weights), 1024"
+            " tokens, batch 2, bf16; the model's own loss; training only",
+            TRAINING_MODES,
+            _build_llama_train,
             needs_transformers=True,
         ),
         Workload(
