@@ -1,6 +1,6 @@
 """The main job: ``python -m benchmarks [--workloads ...] [--modes ...] [--variants ...] [--micro] [--quick] ...``.
 
-On a GPU it runs the benchmarks, prints a table, and writes ``<out>/<date>-<gpu>.json``, ``.md`` and ``.png``. Without
+On a GPU it runs the benchmarks, prints a table, and writes ``<out>/<date>-<gpu>.json`` and ``.md``. Without
 one it says so and prints cudagraphex's capture plan for each workload instead. Every failure is printed with its
 whole traceback, and the last line says which tasks (or capture plans) failed unexpectedly.
 
@@ -104,11 +104,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="fewer and shorter repetitions")
     parser.add_argument(
-        "--sequential",
-        action="store_true",
-        help="time each variant right after its setup, instead of all variants of a workload in rounds",
-    )
-    parser.add_argument(
         "--merge",
         action="store_true",
         help="keep the records of an existing results file of the same date and GPU that this run does not redo "
@@ -173,37 +168,6 @@ def _commit() -> str:
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
-class _Progress:
-    """A tqdm bar on stderr if tqdm is importable, else a plain counter; ``write`` prints above the bar."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.done = total, 0
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self.bar = None
-        else:
-            self.bar = tqdm(total=total, unit="result", dynamic_ncols=True, file=sys.stderr)
-
-    def update(self, label: str) -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.set_postfix_str(label[:60], refresh=False)
-            self.bar.update(1)
-        else:
-            print(f"[{self.done}/{self.total}] {label}", file=sys.stderr, flush=True)
-
-    def write(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line, file=sys.stderr)
-        else:
-            print(line, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
     """Runs the benchmarks, prints the table, writes the results. ``device`` is for testing this on the CPU."""
     import torch
@@ -216,7 +180,6 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
         reps=args.reps or (3 if args.quick else Options.reps),
         quick=args.quick,
         budget_s=args.budget_s,
-        interleaved=not args.sequential,
     )
     suite = Suite(
         args.workloads if args.run_workloads else [],
@@ -232,8 +195,14 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
         f"{', and the microbenchmark' if args.run_micro else ''}; budget {args.budget_s:g} s",
         flush=True,
     )
-    progress = _Progress(suite.num_measurements())
-    suite.progress, suite.log = progress.update, progress.write
+    total, done = suite.num_measurements(), 0
+
+    def progress(label: str) -> None:
+        nonlocal done
+        done += 1
+        print(f"[{done}/{total}] {label}", file=sys.stderr, flush=True)
+
+    suite.progress, suite.log = progress, lambda line: print(line, file=sys.stderr, flush=True)
     start = time.monotonic()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -246,10 +215,7 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
 
     # A crash that takes the CUDA context down (it aborts the process) keeps the workloads written before it.
     suite.checkpoint = write
-    try:
-        records = suite.run()
-    finally:
-        progress.close()
+    records = suite.run()
     elapsed = time.monotonic() - start
     rows, _, paths = write(records)
     print()
@@ -307,7 +273,6 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
             "micro": args.run_micro,
             "reps": options.reps,
             "quick": options.quick,
-            "interleaved": options.interleaved,
             "budget_s": options.budget_s,
             "warmup_calls": options.warmup_calls,
             "rep_target_s": options.rep_target_s,
@@ -330,13 +295,6 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
             "compiled object is reused across modes, in the order inference, train_fwd, train_bwd, train_step",
             "peak_mem_bytes": "torch.cuda.max_memory_allocated over the mode's setup and 3 more calls, minus the "
             "memory allocated before the variant built its model (includes what it keeps from earlier modes)",
-            "in_graphs_us": "graph variants: the part of median_us spent inside the graph runners' calls (input "
-            "copies, checks, graph launches), from one block of calls with the runners timed; the rest is Thunder's "
-            "prologue, autograd functions and eager ops around the graphs",
-            "checks_us": "cudagraphex variants: the part of in_graphs_us outside the graphs' replays (input copies, "
-            "launches, hand-out of outputs): the guard, static-address compare and liveness check of every region "
-            "call, and the slow path's dispatch, captures and eager runs; median_us - checks_us is the same graphs "
-            "replayed with no checks",
             "peak_reserved_bytes": "the same for torch.cuda.max_memory_reserved (graph pools keep freed blocks there)",
             "correct": "outputs (and gradients in train_bwd; in train_step, the loss, AdamW's first moments and the "
             "loss after one step from the case's start) within tolerance of eager: relative error (Frobenius) <= 1e-3 "

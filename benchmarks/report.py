@@ -1,7 +1,7 @@
-"""Results: the record of one measurement, and the JSON, Markdown and PNG files written from a list of them.
+"""Results: the record of one measurement, and the JSON and Markdown files written from a list of them.
 
 Records are plain mappings here (``Record.to_dict()`` makes one), so the writers work on results read back from JSON.
-Times in the table and the chart are also shown as ratios to two references of the same workload and mode:
+Times in the table are also shown as ratios to two references of the same workload and mode:
 ``manual-graph`` (the practical limit) and ``thunder+CUDAGraphTransform`` (Thunder's own CUDA-graph transform).
 """
 
@@ -24,7 +24,6 @@ __all__ = [
     "ratio",
     "results_basename",
     "short_error",
-    "write_chart",
     "write_results",
 ]
 
@@ -66,13 +65,6 @@ class Record:
     error: str | None = None
     #: When ``error`` is a failure the suite expects (``benchmarks.suite.EXPECTED_FAILURES``): its reason.
     expected_failure: str | None = None
-    #: Graph variants: the part of ``median_us`` spent in the graph runners' calls (cudagraphex's regions, the runner
-    #: of Thunder's CUDAGraphTransform): input copies, checks, graph launches. The rest is Thunder around the graphs.
-    in_graphs_us: float | None = None
-    #: cudagraphex variants: the part of ``in_graphs_us`` outside the graphs' replays (the guard, address compare and
-    #: liveness check of every region call; the slow path's dispatch, captures and eager runs). ``median_us -
-    #: checks_us`` is the same graphs' time with no checks at all.
-    checks_us: float | None = None
     #: Largest relative error (norm of the difference over norm of eager's) among the compared tensors.
     rel_err: float | None = None
     #: Extra facts: cudagraphex's regions and graphs, graph-related warnings, what kernel-floor measures.
@@ -145,8 +137,6 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
         "mode",
         "variant",
         "median µs",
-        "in graphs µs",
-        "checks µs",
         *REFERENCES.values(),
         "peak MiB",
         "steady peak MiB",
@@ -163,8 +153,6 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
             r["mode"],
             r["variant"],
             _num(r.get("median_us"), ".1f"),
-            _num(r.get("in_graphs_us"), ".1f"),
-            _num(r.get("checks_us"), ".1f"),
             *ratios,
             _mib(r.get("peak_mem_bytes")),
             _mib(r.get("steady_peak_mem_bytes")),
@@ -175,58 +163,6 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def write_chart(records: Sequence[Mapping[str, Any]], path: Path, variants: Sequence[str] = ()) -> Path:
-    """A bar chart of every variant's time as a ratio to each reference (one panel per reference, log scale).
-
-    Uses matplotlib's Agg canvas directly, so it never touches the global backend.
-    """
-    import matplotlib
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
-
-    ordered = _ordered(records, variants)
-    # Only (workload, mode) groups that have a reference time (the microbenchmark has none).
-    groups = list(
-        dict.fromkeys((r["workload"], r["mode"]) for r in ordered if any(ratio(records, r, ref) for ref in REFERENCES))
-    )
-    names = list(dict.fromkeys(r["variant"] for r in ordered if (r["workload"], r["mode"]) in groups))
-    fig = Figure(figsize=(max(9.0, 1.3 * len(groups) + 5), 9), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(len(REFERENCES), 1, squeeze=False)[:, 0]
-    width = 0.8 / max(1, len(names))
-    palette = matplotlib.colormaps["tab20"]
-    for ax, (reference, title) in zip(axes, REFERENCES.items(), strict=True):
-        plotted = False
-        for i, name in enumerate(names):
-            xs, ys = [], []
-            for g, (workload, mode) in enumerate(groups):
-                for r in ordered:
-                    if (r["workload"], r["mode"], r["variant"]) == (workload, mode, name):
-                        value = ratio(records, r, reference)
-                        if value is not None:
-                            xs.append(g - 0.4 + (i + 0.5) * width)
-                            ys.append(value)
-            if ys:
-                # One colour per variant, the same in both panels.
-                ax.bar(xs, ys, width=width, label=name, color=palette(i % palette.N))
-                plotted = True
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_yscale("log")
-        plain = FuncFormatter(lambda value, _: f"{value:g}")
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
-        ax.set_ylabel(f"time {title} (log)")
-        ax.set_xticks(range(len(groups)), [f"{w}\n{m}" for w, m in groups], fontsize=7)
-        ax.set_title(f"time / time of {reference} (same workload and mode; lower is faster)")
-        if plotted:
-            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        else:
-            ax.text(0.5, 0.5, f"no {reference} times to compare with", transform=ax.transAxes, ha="center")
-    fig.savefig(path, dpi=110)
-    return path
 
 
 def _markdown_document(records: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], variants: Sequence[str]) -> str:
@@ -283,19 +219,14 @@ def write_results(
     out_dir: Path,
     variants: Sequence[str] = (),
 ) -> dict[str, Path]:
-    """Writes ``<date>-<gpu>.json``, ``.md`` and ``.png`` into ``out_dir`` (created if needed); returns their paths
-    by suffix. Without matplotlib there is no chart, and no ``"png"`` key.
+    """Writes ``<date>-<gpu>.json`` and ``.md`` into ``out_dir`` (created if needed); returns their paths by suffix.
 
     ``meta`` must hold ``date`` and ``gpu``. The JSON is ``{"meta": meta, "records": records}``.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     base = out_dir / results_basename(meta["date"], meta["gpu"])
-    paths = {"json": base.with_suffix(".json"), "md": base.with_suffix(".md"), "png": base.with_suffix(".png")}
+    paths = {"json": base.with_suffix(".json"), "md": base.with_suffix(".md")}
     payload = {"meta": dict(meta), "records": [dict(r) for r in records]}
     paths["json"].write_text(json.dumps(payload, indent=2, default=str) + "\n")
     paths["md"].write_text(_markdown_document(records, meta, variants))
-    try:
-        write_chart(records, paths["png"], variants)
-    except ImportError:  # matplotlib is an optional dependency (the "bench" extra)
-        del paths["png"]
     return paths

@@ -24,14 +24,7 @@ variant, mode after mode:
   and lies between two ``torch.cuda.synchronize``; ``median_us`` is the median over ``reps`` rounds of the time per
   call. Fifteen rounds by default: the blocks of a backward vary by ±25% within one run, eager's as much as any
   graph variant's, and with five rounds the ratio of two variants' medians was 0.68 in one pass of a run and 0.86 in
-  the next. (``Options.interleaved=False`` times each variant right after its setup instead.)
-* ``in_graphs_us`` (graph variants): the part of that time spent inside the graph runners' calls: the fraction
-  :func:`in_graphs_fractions` measures right after the setup, times ``median_us``; the rest is Thunder around them.
-* ``checks_us`` (cudagraphex variants): the part of ``in_graphs_us`` spent outside the replays of the graphs (their
-  input copies, launches and hand-out of outputs): the guard, the static-address compare and the liveness check of
-  every region call, and the slow path's own work (dispatch, captures, eager runs). ``median_us - checks_us`` is what
-  the same graphs would take replayed with no checks at all, the floor of any runner of them (an unsafe one).
-
+  the next.
 ``torch.compile(mode="reduce-overhead")`` is set up first, and timed right after its setup (``TIMED_AT_SETUP``):
 interleaved timing makes a second case of each compiled model, and reduce-overhead's second ``train_bwd`` case
 failed in CUDA-graph trees ("invalid device pointer"). Set up first because it frees cuBLAS's workspaces when it
@@ -71,7 +64,6 @@ from benchmarks.workloads import WORKLOADS, Setup, Workload
 __all__ = [
     "EXPECTED_FAILURES",
     "ExpectedFailure",
-    "InGraphs",
     "Options",
     "Prepared",
     "Suite",
@@ -79,7 +71,6 @@ __all__ = [
     "emulated_executor",
     "expected_failure",
     "free_memory",
-    "in_graphs_fractions",
     "prepare",
     "time_per_call_us",
 ]
@@ -131,7 +122,7 @@ _VARIANT_COST = {
     "thunder+torchcompile+wholestep(unsafe)": 1.1,
 }
 MICRO_COST_S = 15.0
-#: Variants timed right after their setup even in an interleaved run: timing needs a second case of the compiled
+#: Variants timed right after their setup instead of in the rounds: the rounds need a second case of the compiled
 #: model, and a second train_bwd case of reduce-overhead's failed in CUDA-graph trees ("invalid device pointer", H200).
 TIMED_AT_SETUP = frozenset({"torch.compile(reduce-overhead)"})
 
@@ -157,8 +148,8 @@ EXPECTED_FAILURES = (
         "train_bwd",
         "thunder+CUDAGraphTransform",
         "modified by an inplace operation",
-        "Thunder 0.2.6's CUDAGraphTransform: a second train_bwd case of one compiled model (interleaved timing makes "
-        "one) fails autograd's version check; --sequential times the first",
+        "Thunder 0.2.6's CUDAGraphTransform: a second train_bwd case of one compiled model (the timing rounds make "
+        "one) fails autograd's version check",
     ),
 )
 
@@ -178,8 +169,6 @@ class Options:
     reps: int = 15
     quick: bool = False
     budget_s: float = 450.0
-    #: Time the variants of a workload in rounds after all are set up (the module docstring), not one by one.
-    interleaved: bool = True
 
     @property
     def warmup_calls(self) -> int:
@@ -254,60 +243,6 @@ def time_per_call_us(call: Callable[[], None], sync: Callable[[], None], options
     """The median over ``options.reps`` synchronized blocks of calls of the wall time per call, in microseconds."""
     iters = _iters_per_block(call, sync, options)
     return statistics.median(_block_us(call, iters, sync) for _ in range(max(1, options.reps)))
-
-
-@dataclass(frozen=True)
-class InGraphs:
-    """Fractions of a call's wall time spent in graph runners, from :func:`in_graphs_fractions`."""
-
-    #: In the calls of graph runners: cudagraphex's regions and the runner of Thunder's ``CUDAGraphTransform``.
-    runners: float
-    #: In cudagraphex's region calls outside their replays (``checks_us`` in the module docstring).
-    checks: float
-
-
-def in_graphs_fractions(call: Callable[[], None], sync: Callable[[], None], options: Options) -> InGraphs:
-    """The fractions of ``call``'s wall time spent in the calls of graph runners (input copies, address and liveness
-    checks, graph launches; the GPU work runs asynchronously), and in cudagraphex's checks (its region calls less
-    their replays). The rest of a call is the caller's: Thunder's prologue, its autograd functions, eager ops.
-
-    Measured over one block of ``call`` (about ``options.rep_target_s``) with the runners and cudagraphex's replays
-    wrapped in timers, which add well under a microsecond per runner call."""
-    from thunder.transforms.cudagraph import CUDAGraphRunner
-
-    from cudagraphex.runtime import GraphedRegion
-    from cudagraphex.runtime.instance import Instance
-
-    inside = {"runners": 0.0, "replays": 0.0, "regions": 0.0}
-
-    def timed(method: Callable, *counters: str) -> Callable:
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                elapsed = time.perf_counter() - start
-                for counter in counters:
-                    inside[counter] += elapsed
-
-        return wrapper
-
-    iters = _iters_per_block(call, sync, options)
-    patched = {
-        (GraphedRegion, "__call__"): ("runners", "regions"),
-        (CUDAGraphRunner, "call_cuda_graph"): ("runners",),
-        (Instance, "replay"): ("replays",),
-    }
-    originals = {target: getattr(*target) for target in patched}
-    for (cls, name), counters in patched.items():
-        setattr(cls, name, timed(originals[(cls, name)], *counters))
-    try:
-        total_s = _block_us(call, iters, sync) * iters / 1e6
-    finally:
-        for (cls, name), method in originals.items():
-            setattr(cls, name, method)
-    checks = max(0.0, inside["regions"] - inside["replays"])
-    return InGraphs(runners=min(1.0, inside["runners"] / total_s), checks=min(1.0, checks / total_s))
 
 
 #: How a task skipped for the time budget starts its error (not a failure: ``--merge`` measures it later).
@@ -416,8 +351,6 @@ class Suite:
         self._prepared: dict[str, Prepared | BaseException] = {}
         #: The compiled objects of the current workload, in setup order, kept for interleaved timing.
         self._compiled: list[tuple[str, Compiled | ManualGraph]] = []
-        #: (workload, mode, variant) -> the fractions of a call spent in graph runners, for interleaved timing.
-        self._in_graphs: dict[tuple[str, str, str], InGraphs] = {}
         self.graph_executor = _graph_executor(self.device)
         self.checkpoint: Callable[[list[Record]], object] = lambda records: None
 
@@ -455,8 +388,7 @@ class Suite:
                 self._run_micro()
                 self.checkpoint(self.records)
             elif task == "done":
-                if self.options.interleaved:
-                    self._time_interleaved(workload)
+                self._time_interleaved(workload)
                 self._compiled.clear()
                 self._prepared.clear()
                 with contextlib.suppress(Exception):
@@ -533,17 +465,11 @@ class Suite:
             else:
                 self._measure(record, compiled, prepared, base)
             self.records.append(record)
-            if not self.options.interleaved:
-                self.progress(f"{workload.name} {variant} {mode}")
-        if self.options.interleaved:
-            # Kept for timing. The graphs of the variants kept so far still run later, so cuBLAS's workspaces and the
-            # allocator's cached blocks stay where they are until the workload is done.
-            self._compiled.append((variant, compiled))
-            del compiled
-            gc.collect()
-        else:
-            del compiled
-            free_memory(self.device)
+        # Kept for timing. The graphs of the variants kept so far still run later, so cuBLAS's workspaces and the
+        # allocator's cached blocks stay where they are until the workload is done.
+        self._compiled.append((variant, compiled))
+        del compiled
+        gc.collect()
 
     def _measure(self, record: Record, compiled: Compiled | ManualGraph, prepared: Prepared, base: _MemoryBase) -> None:
         """The measurements of the module docstring for one mode (kernel-floor: its GPU time instead)."""
@@ -587,11 +513,8 @@ class Suite:
                 record.peak_mem_bytes = max(setup_peak, steady_peak) - base.allocated
                 reserved = max(setup_reserved, torch.cuda.max_memory_reserved(self.device))
                 record.peak_reserved_bytes = reserved - base.reserved
-            if record.variant in (*GRAPH_VARIANTS, "thunder+CUDAGraphTransform"):
-                key = (record.workload, record.mode, record.variant)
-                self._in_graphs[key] = in_graphs_fractions(case.call, self._sync, self.options)
-            if record.variant != "kernel-floor" and (not self.options.interleaved or record.variant in TIMED_AT_SETUP):
-                self._set_time(record, time_per_call_us(case.call, self._sync, self.options))
+            if record.variant in TIMED_AT_SETUP:
+                record.median_us = time_per_call_us(case.call, self._sync, self.options)
             if record.variant == "torch.compile(reduce-overhead)" and _cudagraph_skips() > skips_before:
                 notes.append("inductor skipped CUDA graphs for some graph (torch._dynamo counters: cudagraph_skips)")
             if record.variant in GRAPH_VARIANTS:
@@ -606,14 +529,6 @@ class Suite:
                     case.close()
             del case
         record.note = "; ".join(n for n in notes if n) or None
-
-    def _set_time(self, record: Record, median_us: float) -> None:
-        record.median_us = median_us
-        fractions = self._in_graphs.get((record.workload, record.mode, record.variant))
-        if fractions is not None:
-            record.in_graphs_us = median_us * fractions.runners
-            if record.variant in GRAPH_VARIANTS:
-                record.checks_us = median_us * fractions.checks
 
     def _time_interleaved(self, workload: Workload) -> None:
         """Times the variants of ``workload`` set up without error, mode by mode, in rounds (the module docstring)."""
@@ -650,7 +565,7 @@ class Suite:
                             self._failed([record], e, f"{workload.name} / {variant} / {mode}: timing", "timing: ")
                 for variant, (_, _, record) in cases.items():
                     if record.error is None and times[variant]:
-                        self._set_time(record, statistics.median(times[variant]))
+                        record.median_us = statistics.median(times[variant])
             finally:
                 for case, _, _ in cases.values():
                     with contextlib.suppress(Exception):

@@ -102,7 +102,6 @@ def _fake_records():
         }
         for w, m, v, t in rows
     ]
-    records[3].update(in_graphs_us=40.0, checks_us=12.5)
     records.append(
         {
             "workload": "mlp16x256-b8",
@@ -144,8 +143,6 @@ def test_writers_show_ratios_to_both_references(tmp_path):
     assert eager["x manual-graph"] == "3.00" and eager["x CUDAGraphTransform"] == "1.50"
     assert rows[("inference", "thunder+cudagraphex")]["x manual-graph"] == "1.20"
     assert rows[("inference", "thunder+cudagraphex")]["x CUDAGraphTransform"] == "0.60"
-    assert rows[("inference", "thunder+cudagraphex")]["in graphs µs"] == "40.0"
-    assert rows[("inference", "thunder+cudagraphex")]["checks µs"] == "12.5"
     assert rows[("train_step", "eager")]["x manual-graph"] == "2.00"
     assert rows[("train_step", "eager")]["x CUDAGraphTransform"] == "–"  # no reference in that mode
     failed = rows[("train_step", "torch.compile")]
@@ -153,21 +150,12 @@ def test_writers_show_ratios_to_both_references(tmp_path):
     assert eager["peak MiB"] == "3" and eager["steady peak MiB"] == "2"
 
     md = paths["md"].read_text()
-    assert "| mlp16x256-b8 | inference | eager | 300.0 | – | – | 3.00 | 1.50 |" in md
+    assert "| mlp16x256-b8 | inference | eager | 300.0 | 3.00 | 1.50 |" in md
     assert "per copied input" in md
     assert "Note: merged from two runs" in md
 
 
-def test_chart_is_written(tmp_path):
-    pytest.importorskip("matplotlib")  # an optional dependency: without it, write_results skips the chart
-    paths = write_results(_fake_records(), _META, tmp_path)
-    png = paths["png"].read_bytes()
-    assert paths["png"].name == "2026-01-02-nvidia-h200.png"
-    assert png.startswith(b"\x89PNG") and len(png) > 1000
-
-
-@pytest.mark.parametrize("interleaved", [True, False])
-def test_measuring_code_on_the_cpu_with_the_emulated_backend(interleaved):
+def test_measuring_code_on_the_cpu_with_the_emulated_backend():
     """The GPU run's code path (build, eager reference, compile, check, time), on the CPU: CUDA-only variants record
     their error and the run goes on."""
     from benchmarks.suite import Options, Suite
@@ -177,7 +165,7 @@ def test_measuring_code_on_the_cpu_with_the_emulated_backend(interleaved):
         ["mlp16x256-b8"],
         ["inference", "train_bwd"],
         ["eager", "thunder+cudagraphex", "manual-graph"],
-        Options(reps=2, quick=True, budget_s=0, interleaved=interleaved),
+        Options(reps=2, quick=True, budget_s=0),
         micro=True,
         device=torch.device("cpu"),
         progress=progress.append,
@@ -186,7 +174,7 @@ def test_measuring_code_on_the_cpu_with_the_emulated_backend(interleaved):
     assert suite.num_measurements() == 2 * 3 + 18
     records = {(r.workload, r.mode, r.variant): r for r in suite.run()}
     assert len(progress) == suite.num_measurements()
-    assert any("interleaved" in line for line in log) == interleaved
+    assert any("interleaved" in line for line in log)
 
     for mode in ("inference", "train_bwd"):
         for variant in ("eager", "thunder+cudagraphex"):
@@ -194,10 +182,6 @@ def test_measuring_code_on_the_cpu_with_the_emulated_backend(interleaved):
             assert r.error is None and r.correct is True and r.median_us > 0 and r.setup_s is not None
         graphed = records[("mlp16x256-b8", mode, "thunder+cudagraphex")]
         assert "cudagraphex:" in graphed.note and "0 graph(s)" not in graphed.note
-        assert 0 < graphed.in_graphs_us < graphed.median_us  # the emulated replay runs the region's ops
-        assert 0 < graphed.checks_us < graphed.in_graphs_us / 2  # the replay of the region's ops dominates here
-        assert records[("mlp16x256-b8", mode, "eager")].in_graphs_us is None
-        assert records[("mlp16x256-b8", mode, "eager")].checks_us is None
         if not torch.cuda.is_available():  # with CUDA present, capturing CPU work "succeeds" (with a warning)
             assert records[("mlp16x256-b8", mode, "manual-graph")].error  # needs CUDA: recorded, not raised
 
