@@ -266,6 +266,7 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
     run = {
         "started": started,
         "cudagraphex_commit": versions.pop("cudagraphex_commit"),
+        "versions": versions,
         "options": {
             "workloads": [w.name for w in suite.workloads],
             "modes": list(args.modes),
@@ -286,7 +287,6 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
         "gpu": gpu,
         "device": str(suite.device),
         "cuda": torch.version.cuda,
-        "versions": versions,
         "runs": [run],
         "host_breakdown": suite.host_breakdown,
         "definitions": {

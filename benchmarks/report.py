@@ -167,10 +167,11 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
 
 def _markdown_document(records: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], variants: Sequence[str]) -> str:
     lines = [f"# cudagraphex benchmarks: {meta.get('gpu', '?')}, {meta.get('date', '?')}", ""]
-    versions = meta.get("versions", {})
-    if versions:
-        lines += [", ".join(f"{k} {v}" for k, v in versions.items()), ""]
     runs = meta.get("runs", [])
+    # Each run records the versions it ran with; a file of one setup names them once, above the runs.
+    setups = {_versions_text(run.get("versions") or meta.get("versions") or {}) for run in runs} - {""}
+    if len(setups) == 1:
+        lines += [setups.pop(), ""]
     if runs:
         lines.append("Runs whose records this file holds:")
         lines.append("")
@@ -183,6 +184,8 @@ def _markdown_document(records: Sequence[Mapping[str, Any]], meta: Mapping[str, 
                 f"; {len(options.get('variants', []))} variant(s); budget {options.get('budget_s', '?')} s, took "
                 f"{run.get('elapsed_s', '?')} s"
             )
+            if len(setups) > 1 and run.get("versions"):
+                text += f"; {_versions_text(run['versions'])}"
             if run.get("cuda_context_failed"):
                 text += f"; the CUDA context failed: {run['cuda_context_failed']}"
             lines.append(text)
@@ -194,6 +197,10 @@ def _markdown_document(records: Sequence[Mapping[str, Any]], meta: Mapping[str, 
     if breakdown:
         lines += ["## Host cost of a replay (micro-100ops)", "", host_breakdown_text(breakdown), ""]
     return "\n".join(lines)
+
+
+def _versions_text(versions: Mapping[str, str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in versions.items())
 
 
 def host_breakdown_text(breakdown: Mapping[str, Any]) -> str:

@@ -160,7 +160,7 @@ def _region_report(region: GraphedRegion) -> RegionReport:
     host_values = [n for n, k in zip(info.input_names, region.kinds, strict=True) if k is InputKind.HOST_VALUE]
     graphs = [
         GraphReport(
-            input_shapes={info.input_names[j]: tuple(shape) for j, shape, _, _ in i.copied_meta},
+            input_shapes={info.input_names[c.index]: tuple(c.shape) for c in i.copied_inputs},
             read_in_place=[info.input_names[j] for j in i.read_in_place],
             replays=i.replays,
             capture_ms=i.capture_seconds * 1e3,

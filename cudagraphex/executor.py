@@ -38,18 +38,11 @@ from thunder.extend import (
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.capture import backend_for
 from cudagraphex.compat.trusted_parameters import TRUSTED_ATTRIBUTE
-from cudagraphex.planning.regions import (
-    RegionSpec,
-    count_ops,
-    input_aliases,
-    plan_regions,
-    refused_rematerialization,
-    rng_state_inputs,
-    static_outputs,
-    trace_kind,
-)
+from cudagraphex.planning.regions import RegionSpec, plan_regions, static_outputs, trace_kind
+from cudagraphex.planning.rematerialization import refused_rematerialization
 from cudagraphex.planning.safety import unsafe_reason
 from cudagraphex.planning.static_inputs import classify_inputs, static_names
+from cudagraphex.planning.symbols import count_ops, input_aliases, rng_state_inputs
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion, GraphOptions, RegionInfo
 
 __all__ = ["CUDAGraphExecutor", "cudagraphex"]

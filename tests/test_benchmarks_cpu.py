@@ -240,6 +240,20 @@ def test_merge_drops_the_runs_whose_records_were_all_redone(tmp_path):
     assert [run["started"] for run in meta["runs"]] == ["now", "later"]
 
 
+def test_the_header_names_the_versions_of_each_run(tmp_path):
+    one = {"torch": "2.11.0", "transformers": "4.55.4"}
+    other = {"torch": "2.11.0", "transformers": "5.24.0"}
+    runs = [{"started": "a", "versions": one}, {"started": "b", "versions": one}]
+    md = write_results(_fake_records(), dict(_META, runs=runs), tmp_path)["md"].read_text()
+    assert md.count("transformers 4.55.4") == 1  # one setup: named once, above the runs
+
+    runs = [{"started": "a", "versions": one}, {"started": "b", "versions": other}]
+    md = write_results(_fake_records(), dict(_META, runs=runs), tmp_path)["md"].read_text()
+    (line_a,) = [line for line in md.splitlines() if line.startswith("- a,")]
+    (line_b,) = [line for line in md.splitlines() if line.startswith("- b,")]
+    assert "transformers 4.55.4" in line_a and "transformers 5.24.0" in line_b
+
+
 def test_main_job_writes_results_after_each_workload(tmp_path, capsys, monkeypatch):
     """The GPU path of the main job, run on the CPU: partial results are on disk before the run ends."""
     from benchmarks.__main__ import _run_gpu

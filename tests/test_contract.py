@@ -665,7 +665,9 @@ def test_tensor_copy_writes_its_destination_not_its_source(backend):
     kinds = dict(zip(region.info.input_names, region.kinds, strict=True))
     assert kinds["src"] is InputKind.CALLER and kinds["dst"] is InputKind.MUTATED
     (instance,) = region.instances
-    assert [region.info.input_names[i] for i, *_ in instance.copied_meta] == ["src"]  # moved since the warm-up: copied
+    assert [region.info.input_names[c.index] for c in instance.copied_inputs] == [
+        "src"
+    ]  # moved since the warm-up: copied
     assert region.eager_calls == {"warm-up": 1}
 
 

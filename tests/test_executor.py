@@ -18,7 +18,8 @@ from thunder.extend import FusionExecutor, OperatorExecutor, get_executor, regis
 import cudagraphex.executor as executor_module
 from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
 from cudagraphex import CUDAGraphExecutor, cudagraphex, explain, inspect
-from cudagraphex.planning.regions import RegionSpec, refused_rematerialization
+from cudagraphex.planning.regions import RegionSpec
+from cudagraphex.planning.rematerialization import refused_rematerialization
 from cudagraphex.planning.static_inputs import InputKind
 from cudagraphex.runtime import GraphedRegion
 from tests.helpers import assert_grads_close, emulated, graphs, jit, num_graphs, regions, replays, twin

@@ -17,69 +17,42 @@ Two hazards can only be seen once runs exist, so forming regions iterates until 
 
 Regions can change after they are planned: every fusion executor after cudagraphex runs Thunder's rematerialization
 on the whole trace, which treats a forward and a backward graph like two fusions (see
-:func:`refused_rematerialization`).
+:func:`~cudagraphex.planning.rematerialization.refused_rematerialization`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-import thunder.torch as ltorch
 from thunder.core import prims
-from thunder.core.proxies import Proxy, TensorProxy
-from thunder.core.symbol import BoundSymbol, BoundSymbolTag
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
-from thunder.executors.torchex import ex as torch_executor
 
 from cudagraphex.planning.safety import TRANSPARENT, UNPACKS, is_inplace_write, rng_state_args
 from cudagraphex.planning.static_inputs import classify_inputs, static_names
+from cudagraphex.planning.symbols import (
+    count_ops,
+    decompose_metadata_reads,
+    device_of,
+    flat_proxies,
+    input_aliases,
+    rng_state_inputs,
+    source_line,
+)
 
 __all__ = [
     "Break",
     "Plan",
     "RegionSpec",
-    "input_aliases",
     "plan_regions",
-    "refused_rematerialization",
-    "rng_state_inputs",
-    "source_line",
     "static_outputs",
     "trace_kind",
 ]
 
 _STRUCTURAL = UNPACKS | {prims.PrimIDs.RETURN, "clear_mutable_collection"}
-
-
-def _view_symbol_ids() -> frozenset:
-    """Ids of symbols whose output may share memory with an input, in both their torch-level and lowered forms."""
-    view_prims = {
-        prims.PrimIDs.BROADCAST_IN_DIM,
-        prims.PrimIDs.RESHAPE,
-        prims.PrimIDs.SLICE,
-        prims.PrimIDs.SQUEEZE,
-        prims.PrimIDs.TRANSPOSE,
-        prims.PrimIDs.UNFOLD,
-        prims.PrimIDs.VIEW,
-        prims.PrimIDs.SHALLOW_COPY,
-        prims.PrimIDs.UPDATE_ALIASES,
-        prims.PrimIDs.BITCAST,
-        prims.PrimIDs.REAL,
-        prims.PrimIDs.IMAG,
-        prims.PrimIDs.STRIDE_ORDER,
-        prims.PrimIDs.CONVERT_ELEMENT_TYPE,
-        prims.PrimIDs.DEVICE_PUT,
-    }
-    ids = set(view_prims) | {s.id for s in ltorch._syms_returning_views | ltorch._syms_that_may_return_views}
-    for sym_id in list(ids):
-        impl = torch_executor.implmap.get(sym_id)
-        if impl is not None and impl.symbol is not None:
-            ids.add(impl.symbol.id)
-    return frozenset(ids)
-
-
-_VIEW_IDS = _view_symbol_ids()
 
 
 @dataclass(frozen=True)
@@ -133,21 +106,6 @@ class Plan:
         return [item for item in self.sequence if isinstance(item, RegionSpec)]
 
 
-def source_line(bsym: BoundSymbol) -> str | None:
-    """``file:line`` of the user's code that produced ``bsym``, when Thunder recorded it."""
-    if bsym.source_filename is None:
-        return None
-    line = getattr(bsym.source_positions, "lineno", None)
-    return f"{bsym.source_filename}:{line}" if line is not None else bsym.source_filename
-
-
-def _device_of(bsym: BoundSymbol) -> str | None:
-    for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs):
-        if isinstance(p, TensorProxy):
-            return p.device.device_str()
-    return None
-
-
 def trace_kind(trace: TraceCtx) -> str:
     """ "backward", "forward" (Thunder's augmented forward), "forward+backward" (a joint trace, split at its first
     ``get_grad``) or "computation" (no backward)."""
@@ -181,125 +139,10 @@ def _returned_names(trace: TraceCtx) -> frozenset[str]:
     dicts = [a for a in ret.args if isinstance(a, dict)]
     if dicts:
         for d in dicts:
-            names.update(p.name for p in _flat_proxies(list(d.values())))
+            names.update(p.name for p in flat_proxies(list(d.values())))
     else:
-        names.update(p.name for p in _flat_proxies(ret.args))
+        names.update(p.name for p in flat_proxies(ret.args))
     return frozenset(names)
-
-
-def _flat_proxies(x) -> list[Proxy]:
-    from thunder.core.pytree import tree_flatten
-
-    return [p for p in tree_flatten(x)[0] if isinstance(p, Proxy)]
-
-
-def _writes(bsym: BoundSymbol) -> list[BoundSymbol]:
-    """The ``copy_`` symbols that run when ``bsym`` runs."""
-    if is_inplace_write(bsym):
-        return [bsym]
-    if bsym.sym.executor is None or bsym.sym.is_fusion:
-        return [w for sub in bsym.subsymbols for w in _writes(sub)]
-    return []
-
-
-def _may_alias_input(bsym: BoundSymbol) -> bool:
-    return (
-        bsym.sym.id in _VIEW_IDS
-        or bsym.sym.is_fusion
-        or bsym.sym.executor is None
-        and any(_may_alias_input(sub) for sub in bsym.subsymbols)
-    )
-
-
-def _reads_data(bsym: BoundSymbol) -> frozenset[str]:
-    """Names of the tensors whose values ``bsym`` reads: the tensor arguments of the ops its decomposition runs, other
-    than shape queries. An executor's op, a fusion and a symbol without decomposition read all their arguments."""
-    if bsym.sym.id == prims.PrimIDs.SHAPE:
-        return frozenset()
-    if bsym.sym.executor is not None or bsym.sym.is_prim or bsym.sym.python_impl is not None or not bsym.subsymbols:
-        return frozenset(p.name for p in bsym.flat_proxy_args if isinstance(p, TensorProxy))
-    produced: set[str] = set()
-    read: set[str] = set()
-    for sub in bsym.subsymbols:
-        read |= _reads_data(sub) - produced
-        produced.update(p.name for p in sub.flat_proxy_outs)
-    return frozenset(read)
-
-
-def _decompose_metadata_reads(
-    bsyms: Iterable[BoundSymbol], kept_whole: Callable[[BoundSymbol], bool]
-) -> list[BoundSymbol]:
-    """``bsyms`` with each torch-level symbol that takes a tensor only for its metadata (``expand_as(t, x)``) and that
-    no executor lowering the region keeps whole (``kept_whole``) replaced by its decomposition, as Thunder lowers it.
-
-    A graph's inputs are what its members take, and Thunder saves every input of a backward graph for backward:
-    a symbol kept whole for the lowering would take ``x`` from the caller, where Thunder without graphs saves nothing,
-    and autograd would fail the backward once the caller writes into ``x`` in place. Symbols that write in place stay
-    whole, so that a planned in-place write keeps its identity.
-    """
-    out: list[BoundSymbol] = []
-    for bsym in bsyms:
-        args = {p.name for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)}
-        if (
-            bsym.sym.executor is None
-            and not bsym.sym.is_prim
-            and bsym.sym.python_impl is None
-            and bsym.subsymbols
-            and not _writes(bsym)
-            and args - _reads_data(bsym)
-            and _decomposition_produces_outputs(bsym)
-            and not kept_whole(bsym)
-        ):
-            subs = list(bsym.subsymbols)
-            if BoundSymbolTag.BACKWARD in bsym.tags:  # as Thunder tags the symbols it decomposes a backward one into
-                subs = [sub.from_bsym(tags=sub.tags | {BoundSymbolTag.BACKWARD}) for sub in subs]
-            out.extend(_decompose_metadata_reads(subs, kept_whole))
-        else:
-            out.append(bsym)
-    return out
-
-
-def _decomposition_produces_outputs(bsym: BoundSymbol) -> bool:
-    """Whether every output of ``bsym`` is produced by its subsymbols or is one of its arguments (a decomposition may
-    return an argument as itself)."""
-    available = {p.name for p in bsym.flat_proxy_args}
-    available.update(p.name for sub in bsym.subsymbols for p in sub.flat_proxy_outs)
-    return all(p.name in available for p in bsym.flat_proxy_outs)
-
-
-def count_ops(bsyms: Iterable[BoundSymbol]) -> int:
-    """The ops a run of symbols executes: a fusion (another executor's) counts as the ops it fuses."""
-    return sum((len(b.subsymbols) or 1) if b.sym.is_fusion else 1 for b in bsyms)
-
-
-def input_aliases(
-    members: list[BoundSymbol], inputs: Collection[str]
-) -> tuple[dict[int, frozenset[str]], dict[str, frozenset[str]]]:
-    """Which region inputs the members may reach through views: for each member (by id) that writes in place, the
-    inputs whose memory the write may reach; for each tensor a member produces, the inputs whose memory it may share
-    (none for memory the region allocates)."""
-    aliases: dict[str, frozenset[str]] = {}
-
-    def roots(name: str) -> frozenset[str]:
-        if name in aliases:
-            return aliases[name]
-        return frozenset({name}) if name in inputs else frozenset()
-
-    written = {}
-    for b in members:
-        if _may_alias_input(b) or _writes(b):
-            shared = frozenset().union(*(roots(p.name) for p in b.flat_proxy_args))
-            for p in b.flat_proxy_outs:
-                aliases[p.name] = shared
-        reached = frozenset().union(*(roots(w.args[1].name) for w in _writes(b)))
-        if reached:
-            written[id(b)] = reached
-    return written, aliases
-
-
-def rng_state_inputs(members: Iterable[BoundSymbol], inputs: Collection[str]) -> frozenset[str]:
-    """The ``inputs`` that ``members`` read as dropout RNG state."""
-    return frozenset(p.name for b in members for p in rng_state_args(b) if p.name in inputs)
 
 
 def static_outputs(spec: RegionSpec, is_static: Callable[[str], bool]) -> frozenset[str]:
@@ -345,7 +188,7 @@ class _Planner:
             if b.sym.id not in TRANSPARENT:
                 for p in b.flat_proxy_args:
                     self.consumers[p.name].append(i)
-        self.trace_outputs = {p.name for p in _flat_proxies(trace.output)}
+        self.trace_outputs = {p.name for p in flat_proxies(trace.output)}
         _, self.aliases = input_aliases(self.bsyms, _Everything())
         #: For each region member (by ``id``), the ``id`` of the symbol of the trace that it is or decomposes.
         self.origin: dict[int, int] = {}
@@ -400,7 +243,7 @@ class _Planner:
                 sequence.append(b)
                 breaks.append(Break(b.sym.name, reason, source_line(b), b.sym.id in _STRUCTURAL))
                 continue
-            device = _device_of(b)
+            device = device_of(b)
             if run and (
                 self.phase_of(i) != self.phase_of(run[0][0])
                 or None not in (device, run_device)
@@ -434,7 +277,7 @@ class _Planner:
         last = ops[-1][0]
         members: list[BoundSymbol] = []
         for _, b in ops:
-            for member in _decompose_metadata_reads([b], self.kept_whole):
+            for member in decompose_metadata_reads([b], self.kept_whole):
                 self.origin[id(member)] = id(b)
                 members.append(member)
         produced: dict[str, TensorProxy] = {}
@@ -456,7 +299,7 @@ class _Planner:
             bound_symbols=members,
             inputs=list(inputs.values()),
             outputs=outputs,
-            device=_device_of(ops[0][1]) or next(filter(None, map(_device_of, (b for _, b in ops))), "cpu"),
+            device=device_of(ops[0][1]) or next(filter(None, map(device_of, (b for _, b in ops))), "cpu"),
             phase=self.phase_of(ops[0][0]),
             mutated=frozenset(mutated),
             mutated_trace_inputs=frozenset(n for n in mutated if self._root_is_trace_input(n)),
@@ -518,8 +361,8 @@ class _Planner:
         if not any(b.sym.id == prims.PrimIDs.GET_GRAD for b in self.bsyms) or ret is None:
             return {}
         out = ret.args[0]
-        initial = {p.name for p in _flat_proxies(out.get("fw_flat_out"))}
-        initial |= {p.name for p in _flat_proxies(out.get("flat_args"))}
+        initial = {p.name for p in flat_proxies(out.get("fw_flat_out"))}
+        initial |= {p.name for p in flat_proxies(out.get("flat_args"))}
 
         forward_members = set()
         names = set(initial)
@@ -590,107 +433,6 @@ def plan_regions(
         graph_outputs: names of tensors that graphs of earlier traces of the same function produced.
         kept_whole: whether the executors that lower the regions execute a bound symbol as it is. One they do not
             execute that takes a tensor only for its metadata enters a region as its decomposition (see
-            :func:`_decompose_metadata_reads`).
+            :func:`decompose_metadata_reads`).
     """
     return _Planner(trace, reason_of, min_size, declared_static, graph_outputs, kept_whole).plan()
-
-
-def refused_rematerialization(
-    planned: RegionSpec,
-    members: list[BoundSymbol],
-    inputs: list[TensorProxy],
-    outputs: list[TensorProxy],
-    earlier: Collection[RegionSpec],
-    fused: Callable[[BoundSymbol], bool],
-) -> tuple[list[BoundSymbol], list[TensorProxy], list[TensorProxy]]:
-    """The members, inputs and outputs of a region that Thunder's rematerialization handed back changed, with the
-    changes undone where the recomputation it asks for would not be fused.
-
-    Rematerialization makes a producer graph stop returning some tensors saved for backward, return others (the
-    *cut*) instead, and makes the consumer graph recompute the first from the second. That saves memory at almost no
-    cost where a fusion executor fuses the recomputed ops; inside a graph whose ops each run their own kernel it adds
-    those kernels to every backward pass (measured on a 12-layer GPT in bf16 without nvFuser: 434 more kernels and 29%
-    more GPU time per training step).
-
-    Args:
-        planned: the region as planned (or last built).
-        members, inputs, outputs: the region as the rematerializing pass handed it back.
-        earlier: the regions before this one in its trace, as last built: the producers it may read from.
-        fused: whether an executor that lowers the region fuses a bound symbol into a larger kernel.
-
-    As a producer, the region keeps its planned outputs, and returns no cut, unless every op computing the tensors it
-    stopped returning is fused: a graph output nobody reads would hold its memory for as long as the graph lives. As
-    a consumer, it drops each recomputed op whose result an earlier region returns (again), and the ops only those
-    fed. Thunder hands regions back in trace order, so every producer has decided before its consumers; a producer
-    that Thunder's dead-code elimination removed is not in ``earlier``, and what it computed stays recomputed. A fusion
-    of another executor that recomputes from a refused producer's cut is not supported (it would read a tensor that no
-    longer exists); executors after cudagraphex only form fusions of what it left out.
-
-    Raises:
-        RuntimeError: if the rebuilt region would read a tensor that no earlier region returns.
-    """
-    returned = {p.name for p in outputs}
-    dropped = {p.name for p in planned.outputs} - returned
-    computing = [b for b in (*members, *planned.bound_symbols) if any(p.name in dropped for p in b.flat_proxy_outs)]
-    if dropped and not all(map(fused, computing)):
-        outputs = list(planned.outputs)
-    members = _restore_lost_members(planned.bound_symbols, members, {p.name for p in inputs}, outputs)
-    planned_members = {id(b) for b in planned.bound_symbols}
-    if all(id(b) in planned_members for b in members):
-        return members, _inputs_read(members, (*inputs, *planned.inputs)), outputs
-
-    produced_earlier = {p.name for spec in earlier for b in spec.bound_symbols for p in b.flat_proxy_outs}
-    available = {p.name for spec in earlier for p in spec.outputs}
-    available |= {p.name for p in inputs if p.name not in produced_earlier}
-    needed = {p.name for p in outputs}
-    kept: list[BoundSymbol] = []
-    for bsym in reversed(members):
-        wanted = {p.name for p in bsym.flat_proxy_outs} & needed
-        if id(bsym) not in planned_members and wanted <= available:
-            continue
-        kept.append(bsym)
-        needed |= {p.name for p in bsym.flat_proxy_args}
-    kept.reverse()
-    produced = {p.name for b in kept for p in b.flat_proxy_outs}
-    missing = sorted(needed - produced - available)
-    if missing:
-        raise RuntimeError(
-            f"cudagraphex: after rematerialization a graph would read {missing}, which no earlier graph returns"
-        )
-    return kept, _inputs_read(kept, (*inputs, *planned.inputs)), outputs
-
-
-def _inputs_read(members: list[BoundSymbol], candidates: Iterable[TensorProxy]) -> list[TensorProxy]:
-    """The ``candidates`` that ``members`` read without producing them, once each, in ``candidates``' order."""
-    produced = {p.name for b in members for p in b.flat_proxy_outs}
-    read = {p.name for b in members for p in b.flat_proxy_args} - produced
-    inputs: dict[str, TensorProxy] = {}
-    for p in candidates:
-        if p.name in read:
-            inputs.setdefault(p.name, p)
-    return list(inputs.values())
-
-
-def _restore_lost_members(
-    planned: list[BoundSymbol], members: list[BoundSymbol], inputs: Collection[str], outputs: Iterable[TensorProxy]
-) -> list[BoundSymbol]:
-    """``members`` with the planned members put back that produce what the region reads or returns but neither
-    produces nor receives. Thunder rebuilds a rematerialized consumer through a topological sort from its outputs that
-    loses symbols without tensor inputs (``zeros`` in a backward), and drops the members of a producer that computed
-    outputs it stopped returning, which a refused rematerialization returns again. Each one put back goes right before
-    the first member that reads what it produces."""
-    produced = {p.name for b in members for p in b.flat_proxy_outs}
-    wanted = {p.name for b in members for p in b.flat_proxy_args} | {p.name for p in outputs}
-    missing = wanted - produced - set(inputs)
-    present = {id(b) for b in members}
-    lost: list[BoundSymbol] = []
-    for bsym in reversed(planned):
-        if id(bsym) not in present and any(p.name in missing for p in bsym.flat_proxy_outs):
-            lost.append(bsym)
-            missing |= {p.name for p in bsym.flat_proxy_args} - produced - set(inputs)
-    restored = list(members)
-    for bsym in lost:  # latest planned first, so an earlier one lands before the ones that read it
-        outs = {p.name for p in bsym.flat_proxy_outs}
-        at = next((i for i, b in enumerate(restored) if any(p.name in outs for p in b.flat_proxy_args)), len(restored))
-        restored.insert(at, bsym)
-    return restored

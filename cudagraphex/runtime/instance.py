@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -35,7 +35,17 @@ from cudagraphex.runtime.staging import input_buffer, picker
 if TYPE_CHECKING:
     from cudagraphex.runtime.region import GraphedRegion
 
-__all__ = ["Instance"]
+__all__ = ["CopiedInput", "Instance"]
+
+
+class CopiedInput(NamedTuple):
+    """An input a graph copies into its buffer on every replay: where it is among the region's inputs, and the layout
+    it had at capture (which the guard holds it to)."""
+
+    index: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
 
 
 class Instance:
@@ -70,7 +80,7 @@ class Instance:
             self.static_ptrs[i] = args[i].data_ptr()
         copied = [i for i in range(n) if kinds[i].is_copied and i not in read_in_place]
         self.values = [(i, args[i]) for i in range(n) if kinds[i] is InputKind.HOST_VALUE]
-        self.copied_meta = [(i, args[i].shape, args[i].stride(), args[i].dtype) for i in copied]
+        self.copied_inputs = [CopiedInput(i, args[i].shape, args[i].stride(), args[i].dtype) for i in copied]
         # The layout of an input read in place is checked like a copied input's: nothing upstream checks strides.
         guarded = copied + self.read_in_place
         self.guard = layout_guard([args[i] for i in guarded])

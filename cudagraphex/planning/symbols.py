@@ -1,0 +1,187 @@
+"""What a bound symbol does, as the planner needs to know it: where it runs, what it reads, writes and may alias.
+
+Every answer looks through a symbol without an executor into its decomposition (the ops Thunder lowers it to), and
+treats an executor's op or a fusion as reading all its arguments and possibly aliasing them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable
+
+import thunder.torch as ltorch
+from thunder.core import prims
+from thunder.core.proxies import Proxy, TensorProxy
+from thunder.core.symbol import BoundSymbol, BoundSymbolTag
+from thunder.executors.torchex import ex as torch_executor
+
+from cudagraphex.planning.safety import is_inplace_write, rng_state_args
+
+__all__ = [
+    "count_ops",
+    "decompose_metadata_reads",
+    "device_of",
+    "flat_proxies",
+    "input_aliases",
+    "rng_state_inputs",
+    "source_line",
+]
+
+
+def _view_symbol_ids() -> frozenset:
+    """Ids of symbols whose output may share memory with an input, in both their torch-level and lowered forms."""
+    view_prims = {
+        prims.PrimIDs.BROADCAST_IN_DIM,
+        prims.PrimIDs.RESHAPE,
+        prims.PrimIDs.SLICE,
+        prims.PrimIDs.SQUEEZE,
+        prims.PrimIDs.TRANSPOSE,
+        prims.PrimIDs.UNFOLD,
+        prims.PrimIDs.VIEW,
+        prims.PrimIDs.SHALLOW_COPY,
+        prims.PrimIDs.UPDATE_ALIASES,
+        prims.PrimIDs.BITCAST,
+        prims.PrimIDs.REAL,
+        prims.PrimIDs.IMAG,
+        prims.PrimIDs.STRIDE_ORDER,
+        prims.PrimIDs.CONVERT_ELEMENT_TYPE,
+        prims.PrimIDs.DEVICE_PUT,
+    }
+    ids = set(view_prims) | {s.id for s in ltorch._syms_returning_views | ltorch._syms_that_may_return_views}
+    for sym_id in list(ids):
+        impl = torch_executor.implmap.get(sym_id)
+        if impl is not None and impl.symbol is not None:
+            ids.add(impl.symbol.id)
+    return frozenset(ids)
+
+
+_VIEW_IDS = _view_symbol_ids()
+
+
+def source_line(bsym: BoundSymbol) -> str | None:
+    """``file:line`` of the user's code that produced ``bsym``, when Thunder recorded it."""
+    if bsym.source_filename is None:
+        return None
+    line = getattr(bsym.source_positions, "lineno", None)
+    return f"{bsym.source_filename}:{line}" if line is not None else bsym.source_filename
+
+
+def device_of(bsym: BoundSymbol) -> str | None:
+    for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs):
+        if isinstance(p, TensorProxy):
+            return p.device.device_str()
+    return None
+
+
+def flat_proxies(x) -> list[Proxy]:
+    from thunder.core.pytree import tree_flatten
+
+    return [p for p in tree_flatten(x)[0] if isinstance(p, Proxy)]
+
+
+def _writes(bsym: BoundSymbol) -> list[BoundSymbol]:
+    """The ``copy_`` symbols that run when ``bsym`` runs."""
+    if is_inplace_write(bsym):
+        return [bsym]
+    if bsym.sym.executor is None or bsym.sym.is_fusion:
+        return [w for sub in bsym.subsymbols for w in _writes(sub)]
+    return []
+
+
+def _may_alias_input(bsym: BoundSymbol) -> bool:
+    return (
+        bsym.sym.id in _VIEW_IDS
+        or bsym.sym.is_fusion
+        or bsym.sym.executor is None
+        and any(_may_alias_input(sub) for sub in bsym.subsymbols)
+    )
+
+
+def _reads_data(bsym: BoundSymbol) -> frozenset[str]:
+    """Names of the tensors whose values ``bsym`` reads: the tensor arguments of the ops its decomposition runs, other
+    than shape queries. An executor's op, a fusion and a symbol without decomposition read all their arguments."""
+    if bsym.sym.id == prims.PrimIDs.SHAPE:
+        return frozenset()
+    if bsym.sym.executor is not None or bsym.sym.is_prim or bsym.sym.python_impl is not None or not bsym.subsymbols:
+        return frozenset(p.name for p in bsym.flat_proxy_args if isinstance(p, TensorProxy))
+    produced: set[str] = set()
+    read: set[str] = set()
+    for sub in bsym.subsymbols:
+        read |= _reads_data(sub) - produced
+        produced.update(p.name for p in sub.flat_proxy_outs)
+    return frozenset(read)
+
+
+def decompose_metadata_reads(
+    bsyms: Iterable[BoundSymbol], kept_whole: Callable[[BoundSymbol], bool]
+) -> list[BoundSymbol]:
+    """``bsyms`` with each torch-level symbol that takes a tensor only for its metadata (``expand_as(t, x)``) and that
+    no executor lowering the region keeps whole (``kept_whole``) replaced by its decomposition, as Thunder lowers it.
+
+    A graph's inputs are what its members take, and Thunder saves every input of a backward graph for backward:
+    a symbol kept whole for the lowering would take ``x`` from the caller, where Thunder without graphs saves nothing,
+    and autograd would fail the backward once the caller writes into ``x`` in place. Symbols that write in place stay
+    whole, so that a planned in-place write keeps its identity.
+    """
+    out: list[BoundSymbol] = []
+    for bsym in bsyms:
+        args = {p.name for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)}
+        if (
+            bsym.sym.executor is None
+            and not bsym.sym.is_prim
+            and bsym.sym.python_impl is None
+            and bsym.subsymbols
+            and not _writes(bsym)
+            and args - _reads_data(bsym)
+            and _decomposition_produces_outputs(bsym)
+            and not kept_whole(bsym)
+        ):
+            subs = list(bsym.subsymbols)
+            if BoundSymbolTag.BACKWARD in bsym.tags:  # as Thunder tags the symbols it decomposes a backward one into
+                subs = [sub.from_bsym(tags=sub.tags | {BoundSymbolTag.BACKWARD}) for sub in subs]
+            out.extend(decompose_metadata_reads(subs, kept_whole))
+        else:
+            out.append(bsym)
+    return out
+
+
+def _decomposition_produces_outputs(bsym: BoundSymbol) -> bool:
+    """Whether every output of ``bsym`` is produced by its subsymbols or is one of its arguments (a decomposition may
+    return an argument as itself)."""
+    available = {p.name for p in bsym.flat_proxy_args}
+    available.update(p.name for sub in bsym.subsymbols for p in sub.flat_proxy_outs)
+    return all(p.name in available for p in bsym.flat_proxy_outs)
+
+
+def count_ops(bsyms: Iterable[BoundSymbol]) -> int:
+    """The ops a run of symbols executes: a fusion (another executor's) counts as the ops it fuses."""
+    return sum((len(b.subsymbols) or 1) if b.sym.is_fusion else 1 for b in bsyms)
+
+
+def input_aliases(
+    members: list[BoundSymbol], inputs: Collection[str]
+) -> tuple[dict[int, frozenset[str]], dict[str, frozenset[str]]]:
+    """Which region inputs the members may reach through views: for each member (by id) that writes in place, the
+    inputs whose memory the write may reach; for each tensor a member produces, the inputs whose memory it may share
+    (none for memory the region allocates)."""
+    aliases: dict[str, frozenset[str]] = {}
+
+    def roots(name: str) -> frozenset[str]:
+        if name in aliases:
+            return aliases[name]
+        return frozenset({name}) if name in inputs else frozenset()
+
+    written = {}
+    for b in members:
+        if _may_alias_input(b) or _writes(b):
+            shared = frozenset().union(*(roots(p.name) for p in b.flat_proxy_args))
+            for p in b.flat_proxy_outs:
+                aliases[p.name] = shared
+        reached = frozenset().union(*(roots(w.args[1].name) for w in _writes(b)))
+        if reached:
+            written[id(b)] = reached
+    return written, aliases
+
+
+def rng_state_inputs(members: Iterable[BoundSymbol], inputs: Collection[str]) -> frozenset[str]:
+    """The ``inputs`` that ``members`` read as dropout RNG state."""
+    return frozenset(p.name for b in members for p in rng_state_args(b) if p.name in inputs)
