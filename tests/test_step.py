@@ -371,6 +371,11 @@ def _switch_to_eval(pair):
         m.eval()
 
 
+def _register_a_buffer(pair):
+    for m in pair.models:
+        m[0].register_buffer("unused", torch.zeros(1, device=pair.backend.device))
+
+
 def _add_a_param_group(pair):
     extra = nn.Linear(16, 16).to(pair.backend.device)
     for m, opt in zip(pair.models, pair.opts, strict=True):
@@ -387,6 +392,7 @@ def _add_a_param_group(pair):
         _halve_the_learning_rate,
         _reload_the_optimizer,
         _switch_to_eval,
+        _register_a_buffer,
         _add_a_param_group,
     ],
 )
@@ -410,6 +416,42 @@ def _fresh_runs(step) -> int:
     """Calls that captured the step or ran it without its graph."""
     report = explain(step)
     return report.captures + sum(report.plain_calls.values())
+
+
+class _SlicedLayers(nn.Module):
+    """Calls the first ``n`` of its layers through a slice of its ``ModuleList``, as Hugging Face's Llama does: every
+    forward registers the layers into a new container."""
+
+    def __init__(self, n=2):
+        super().__init__()
+        self.n = n
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(n + 1))
+
+    def forward(self, x):
+        for layer in self.layers[: self.n]:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_model_that_registers_modules_while_it_runs_replays(backend):
+    """Registrations outside the step's modules (a new ModuleList, built by every forward) do not invalidate its
+    graph; under ``thunder.jit`` the forward is traced once and its compiled code run, in this step and in any other
+    function of the process."""
+    pair = _Pair(backend, make_model=_SlicedLayers)
+    _calls(pair, 4)
+    assert explain(pair.step).captures == 1
+    _calls(pair, 4, first_seed=4)
+    assert _replays(pair.step) == 4  # every call after the capture replays
+
+    # A function compiled without a step graph, after one exists in the process.
+    plain = thunder.jit(_SlicedLayers().to(backend.device))
+    for _ in range(3):
+        plain(torch.randn(4, 16, device=backend.device)).sum().backward()
+    eager = _SlicedLayers().to(backend.device)
+    model_step = graph_step(lambda x: eager(x).sum().backward(), modules=[eager], backend=backend.name)
+    for _ in range(7):
+        model_step(torch.randn(4, 16, device=backend.device))
+    assert _replays(model_step) == 3  # after warm-up and capture
 
 
 def test_a_new_batch_shape_warms_up_and_captures_again(backend):

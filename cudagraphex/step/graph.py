@@ -96,7 +96,6 @@ from cudagraphex.step.rows import RowCheck
 from cudagraphex.step.state import (
     HostWork,
     Slots,
-    install_registration_hooks,
     is_tensor,
     same_hyperparameters,
     state_layout,
@@ -143,7 +142,6 @@ class StepGraph:
             raise ValueError(f"strict must be a bool, got {strict!r}")  # noqa: TRY004 (contract)
         if backend not in ("cuda", "emulate"):
             raise ValueError(f"backend must be 'cuda' or 'emulate', got {backend!r}")
-        install_registration_hooks()
         self.warmup_calls = warmup_calls
         self.max_graphs = max_graphs
         self.strict = strict

@@ -4,25 +4,31 @@ the check for host work that keeps a step out of a graph.
 Invariants
 ==========
 ``Slots.tensors()`` reads every slot in one fixed order (parameters, buffers, gradients, optimizer state), enumerated
-once per registration generation: a module registering a parameter, buffer or submodule anywhere bumps the generation
-(global registration hooks), and so does an optimizer whose state or param groups change shape (``stale``). Only
-gradient and buffer slots are ever reassigned by cudagraphex, and only to the tensor they held before the step.
+once per registration generation: a module of a step's module tree registering a parameter, buffer or submodule bumps
+the generation (global registration hooks that look the module up among the watched ones), and so does an optimizer
+whose state or param groups change shape (``stale``). A registration into any other module (a forward that slices a
+``ModuleList`` builds a new container) bumps nothing. Thunder's interpreter runs the hooks as opaque calls: traced,
+they would become part of a compiled function's prologue. Only gradient and buffer slots are ever reassigned by
+cudagraphex, and only to the tensor they held before the step.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 import threading
+import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from thunder.core.interpreter import make_opaque
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "HostWork",
     "Slots",
-    "install_registration_hooks",
     "is_tensor",
     "keep_slots",
     "same_hyperparameters",
@@ -30,23 +36,39 @@ __all__ = [
     "unsettled",
 ]
 
-#: Bumped whenever any module registers a parameter, buffer or submodule: slots are then enumerated again.
+#: Bumped whenever a watched module registers a parameter, buffer or submodule: slots are then enumerated again.
 _registrations = [0]
-_hooks_installed = threading.Lock()
+#: id -> weak reference of every module in the module tree of a step's slots.
+_watched: dict[int, weakref.ref] = {}
+_lock = threading.Lock()
 _hooks: list[Any] = []
 
 
-def _bump(*_args: Any) -> None:
-    _registrations[0] += 1
+@make_opaque
+def _registered(module: torch.nn.Module, *_args: Any) -> None:
+    ref = _watched.get(id(module))
+    if ref is not None and ref() is module:
+        _registrations[0] += 1
 
 
-def install_registration_hooks() -> None:
-    with _hooks_installed:
+def _unwatch(key: int, ref: weakref.ref) -> None:
+    with _lock:
+        if _watched.get(key) is ref:
+            del _watched[key]
+
+
+def _watch(modules: Iterable[torch.nn.Module]) -> None:
+    """Makes registrations into ``modules`` bump the generation (installing the global hooks on first use)."""
+    with _lock:
         if not _hooks:
             nn_module = torch.nn.modules.module
-            _hooks.append(nn_module.register_module_parameter_registration_hook(_bump))
-            _hooks.append(nn_module.register_module_buffer_registration_hook(_bump))
-            _hooks.append(nn_module.register_module_module_registration_hook(_bump))
+            _hooks.append(nn_module.register_module_parameter_registration_hook(_registered))
+            _hooks.append(nn_module.register_module_buffer_registration_hook(_registered))
+            _hooks.append(nn_module.register_module_module_registration_hook(_registered))
+        for m in modules:
+            ref = _watched.get(id(m))
+            if ref is None or ref() is not m:
+                _watched[id(m)] = weakref.ref(m, functools.partial(_unwatch, id(m)))
 
 
 _grad_of = operator.attrgetter("grad")
@@ -62,6 +84,7 @@ class Slots:
         self.optimizers = optimizers
         self.generation = _registrations[0]
         self.submodules = list(dict.fromkeys(s for m in modules for s in m.modules()))
+        _watch(self.submodules)
         params = [p for m in self.submodules for p in m._parameters.values() if p is not None]
         params += [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
         self.params = list(dict.fromkeys(params))
