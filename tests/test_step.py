@@ -25,6 +25,7 @@ The points of the contract (``tests/test_contract.py``) through the whole-step p
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -529,6 +530,40 @@ def test_an_argument_that_requires_grad_is_not_captured(backend):
     with pytest.warns(UserWarning, match="requires grad"):
         _calls(pair, 4, inputs_require_grad=True)
     assert explain(pair.step).replays == 0
+
+
+def test_an_unhashable_python_argument_runs_the_step_as_is(backend):
+    @dataclasses.dataclass  # eq=True: not hashable
+    class Options:
+        scale: float
+
+    pair = _Pair(backend)
+    inner, reference = pair.steps
+    pair.step = graph_step(
+        lambda x, y, options: inner(x * options.scale, y),
+        modules=[pair.models[0]],
+        optimizers=[pair.opts[0]],
+        backend=backend.name,
+    )
+    pair.steps = [pair.step, lambda x, y, options: reference(x * options.scale, y)]
+    with pytest.warns(UserWarning, match="type Options is not hashable"):
+        pair.call(*pair.batch(), Options(0.5), seed=0)
+    for i in range(1, 5):
+        pair.call(*pair.batch(), Options(0.5), seed=i)
+    report = explain(pair.step)
+    assert report.replays == 0 and report.plain_calls == {"not captured": 5}
+
+    bucketed = graph_step(lambda x, options: x * options.scale, backend=backend.name, capture_sizes=[4])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the same reason, warned once per step
+        for rows in (4, 3, 4, 3, 4, 3):
+            x = torch.randn(rows, 2, device=backend.device)
+            torch.testing.assert_close(bucketed(x, Options(2.0)), x * 2.0)
+    assert explain(bucketed).replays == 0
+
+    strict = graph_step(lambda x, options: x * options.scale, backend=backend.name, strict=True)
+    with pytest.raises(StrictModeError, match="not hashable"):
+        strict(torch.ones(2, device=backend.device), Options(2.0))
 
 
 @pytest.mark.cuda

@@ -7,19 +7,22 @@ What a replay reads and writes
     A step graph reads and writes tensors at the addresses they had when it was captured. Those tensors are the
     step's *arguments*, copied into buffers the graph owns (one batched copy per call), and its *state*: the
     parameters and buffers of the ``modules`` it was given, the parameters of its ``optimizers``, their gradients and
-    the optimizer state. Nothing of the step's Python runs at a replay.
+    the optimizer state. Nothing of the step's Python runs at a replay. Any other tensor the step reaches (a global,
+    a closure, an attribute of a Python argument such as a KV cache object) is read and written where it was at the
+    capture, unguarded: a step that must see such a tensor replaced keeps it as a buffer of one of its ``modules``.
 
 What is guarded
-    Before every replay, the state slots hold the same tensors as after the capture (identity), at the same
-    addresses, with the same dtype, shape, strides and ``requires_grad`` (one C++ check each); gradients that were
-    None are None. The arguments have the layout they were captured with; Python arguments are equal. Grad mode,
-    autocast, the ``training`` flag of every module, each optimizer's ``param_groups`` (hyperparameters compared by
-    value, tensors by identity) and its state entries are as at the capture; no parameter, buffer or submodule was
-    registered since. The step keeps one graph per input signature, modes and set of slots that hold a tensor; a miss
-    runs the slow path, which replays the graph of the call's signature where its guards hold, captures again (after
-    warm-up calls where the signature is new; at most ``max_graphs`` captures in all), or runs ``fn`` as is with one
-    logged reason. A stale graph is never replayed. Graphs share one memory pool: they run one at a time, and the
-    outputs of each are copied out right after its replay.
+    Before every replay, the state slots hold the same tensors as after the capture (identity), at the same addresses,
+    with the same dtype, shape, strides and ``requires_grad`` (one C++ check each); gradients that were None are None.
+    The arguments have the layout they were captured with; Python arguments are equal. Grad mode, autocast, the
+    ``training`` flag of every module, each optimizer's ``param_groups`` (hyperparameters compared by value, tensors by
+    identity) and its state entries are as at the capture; no parameter, buffer or submodule was registered in the
+    modules' trees since. The step keeps one graph per input signature, modes and set of slots that hold a tensor; a
+    miss runs the slow path, which replays the graph of the call's signature where its guards hold, captures again
+    (after warm-up calls where the signature is new; at most ``max_graphs`` captures in all), or runs ``fn`` as is with
+    one logged reason (so does a call with a Python argument that is not hashable: graphs are kept per value). A stale
+    graph is never replayed. Graphs share one memory pool: they run one at a time, and the outputs of each are copied
+    out right after its replay.
 
 Arguments
     Tensor arguments are copied into the graph's buffers before a replay; buffers the step writes in place are copied
@@ -89,6 +92,7 @@ from cudagraphex.step.io import (
     shared_storage,
     signature,
     storages,
+    unhashable_argument,
     write_back,
 )
 from cudagraphex.step.report import StepReport
@@ -254,6 +258,8 @@ class StepGraph:
                     + self._report.not_padded[size]
                 )
             return self._plain(args, kwargs, "not padded", inside_step=False)
+        if unhashable_argument(flat) is not None:
+            return self._slow(args, kwargs)
         padded = self._padded.get(buckets.rows_key(flat, spec, size))
         if padded is None or not self._fits(padded[0], flat, spec, rows):
             return self._plain(args, kwargs, "no graph to pad into yet", inside_step=False)
@@ -288,6 +294,9 @@ class StepGraph:
     def _slow(self, args: tuple, kwargs: dict) -> Any:
         self._slots = slots = Slots(self.modules, self.optimizers)
         flat, spec = pytree.tree_flatten((args, kwargs))
+        if (problem := unhashable_argument(flat)) is not None:
+            self._refuse(None, problem)
+            return self._plain(args, kwargs, "not captured", inside_step=False)
         state = slots.tensors()
         key = (signature(flat, spec), slots.modes(), state_layout(state))
         if key not in self._refused and (problem := argument_problem(flat)) is not None:

@@ -26,6 +26,7 @@ __all__ = [
     "shared_storage",
     "signature",
     "storages",
+    "unhashable_argument",
     "write_back",
 ]
 
@@ -81,6 +82,18 @@ def signature(flat: list, spec: Any) -> tuple:
 
 def host_values(flat: list) -> tuple:
     return tuple(None if is_tensor(a) else (type(a), a) for a in flat)
+
+
+def unhashable_argument(flat: list) -> str | None:
+    """Why no graph can be kept for the call ``flat``: a Python argument that cannot key one (graphs are kept per
+    argument value)."""
+    for a in flat:
+        if not is_tensor(a):
+            try:
+                hash(a)
+            except TypeError:
+                return f"a Python argument of type {type(a).__name__} is not hashable, and graphs are kept per value"
+    return None
 
 
 def argument_problem(flat: list) -> str | None:
