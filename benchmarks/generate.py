@@ -17,6 +17,11 @@ Variants:
 * ``thunder+cudagraphex``: cudagraphex first in the executors.
 * ``thunder+torchcompile+cudagraphex``: cudagraphex, then Thunder's torch.compile executor (the fused stack for a
   machine without nvFuser).
+* ``thunder+cudagraphex-step``, ``thunder+torchcompile+cudagraphex-step`` (the recommended stack): the forward of
+  ``thunder+cudagraphex`` or ``thunder+torchcompile+cudagraphex``, returning the logits, through
+  ``cudagraphex.graph_step``: after warm-up a decode step (and the prefill) replays one graph. The static cache's
+  tensors are passed to the step as buffers of a module, so that its guards check them (a step graph writes them where
+  they were at the capture).
 
 The path needs transformers 4.46-4.55 (the range Thunder's Hugging Face recipe supports; setup.cfg pins 4.55.4 for the
 benchmarks): under 5.x, ``thunder.jit`` of ``LlamaForCausalLM.forward`` fails. Without a GPU the same code runs a tiny
@@ -28,6 +33,7 @@ Run: ``python -m benchmarks.generate [--new-tokens 100] [--rounds 5] [--layers 1
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -45,6 +51,8 @@ VARIANTS = (
     "thunder+CUDAGraphTransform",
     "thunder+cudagraphex",
     "thunder+torchcompile+cudagraphex",
+    "thunder+cudagraphex-step",
+    "thunder+torchcompile+cudagraphex-step",
 )
 
 
@@ -59,6 +67,8 @@ class Row:
     new_tokens: int
     setup_s: float
     error: str | None = None
+    #: The step variants: their step graphs' captures and replays.
+    note: str | None = None
 
 
 def llama_1b_config(tiny: bool = False, layers: int | None = None):
@@ -117,13 +127,52 @@ def _forward_of(variant: str, model: torch.nn.Module, cudagraphex_executor) -> C
         from thunder.transforms.cudagraph import CUDAGraphTransform
 
         return thunder.jit(model.forward, transforms=[CUDAGraphTransform()])
-    if variant == "thunder+cudagraphex":
-        return thunder.jit(model.forward, executors=[cudagraphex_executor, *defaults])
-    if variant == "thunder+torchcompile+cudagraphex":
+    if variant.startswith("thunder+cudagraphex"):
+        jitted = thunder.jit(model.forward, executors=[cudagraphex_executor, *defaults])
+        return _stepped(jitted, model) if variant.endswith("-step") else jitted
+    if variant.startswith("thunder+torchcompile+cudagraphex"):
         from thunder.executors.torch_compile import torch_compile_ex
 
-        return thunder.jit(model.forward, executors=[cudagraphex_executor, torch_compile_ex, *defaults])
+        jitted = thunder.jit(model.forward, executors=[cudagraphex_executor, torch_compile_ex, *defaults])
+        return _stepped(jitted, model) if variant.endswith("-step") else jitted
     raise ValueError(f"unknown variant {variant!r}; the variants: {', '.join(VARIANTS)}")
+
+
+def _stepped(forward: Callable, model: torch.nn.Module) -> Callable:
+    """``forward``, returning only the logits, through ``cudagraphex.graph_step``: one step per KV cache object, with
+    the model and the cache's tensors (as buffers of a module) as its state."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    import cudagraphex
+
+    backend = {} if next(model.parameters()).is_cuda else {"backend": "emulate"}
+    steps: dict[int, tuple[object, Callable]] = {}
+
+    def logits(**kwargs: object) -> torch.Tensor:
+        return forward(**kwargs).logits
+
+    # Hugging Face picks the inputs it passes (the 4-D attention mask of a static cache) from the forward's signature.
+    @functools.wraps(forward)
+    def stepped(**kwargs: object) -> CausalLMOutputWithPast:
+        cache = kwargs.get("past_key_values")
+        cache_obj, step = steps.get(id(cache), (None, None))
+        if cache_obj is not cache:
+            state = torch.nn.Module()
+            for i, layer in enumerate(getattr(cache, "layers", ())):
+                state.register_buffer(f"keys_{i}", layer.keys, persistent=False)
+                state.register_buffer(f"values_{i}", layer.values, persistent=False)
+            step = cudagraphex.graph_step(logits, modules=[model, state], **backend)
+            steps[id(cache)] = (cache, step)
+        return CausalLMOutputWithPast(logits=step(**kwargs), past_key_values=cache)
+
+    def summary() -> str:
+        reports = [cudagraphex.explain(step) for _, step in steps.values()]
+        captures, replays = sum(r.captures for r in reports), sum(r.replays for r in reports)
+        text = f"step graphs: {captures} capture(s), {replays} replay(s)"
+        return text + "".join(f"; not captured: {r.not_captured}" for r in reports if r.not_captured)
+
+    stepped.summary = summary
+    return stepped
 
 
 def run(
@@ -205,13 +254,15 @@ def run(
         ms = statistics.median(samples) * 1e3
         rows[variant].ms_per_generate = ms
         rows[variant].tokens_per_s = new_tokens / ms * 1e3
+        if hasattr(forwards[variant], "summary"):
+            rows[variant].note = forwards[variant].summary()
     return [rows[v] for v in order if v in rows]
 
 
 def table(rows: Sequence[Row]) -> str:
     eager = next((r.ms_per_generate for r in rows if r.variant == "eager"), None)
     lines = [
-        "| variant | ms per generate | tokens/s | x eager | tokens equal to eager's | setup s | error |",
+        "| variant | ms per generate | tokens/s | x eager | tokens equal to eager's | setup s | error or note |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -220,7 +271,7 @@ def table(rows: Sequence[Row]) -> str:
         ratio = "–" if r.ms_per_generate is None or not eager else f"{r.ms_per_generate / eager:.2f}"
         lines.append(
             f"| {r.variant} | {ms} | {rate} | {ratio} | {r.equal_tokens}/{r.new_tokens} | {r.setup_s:.1f} |"
-            f" {r.error or ''} |"
+            f" {r.error or r.note or ''} |"
         )
     return "\n".join(lines)
 

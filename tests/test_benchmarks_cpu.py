@@ -557,12 +557,15 @@ def test_generate_gives_eagers_tokens_through_thunder_and_cudagraphex():
         pytest.skip("Thunder traces LlamaForCausalLM.forward under transformers 4.46-4.55 (setup.cfg's bench pin)")
     from benchmarks.generate import run, table
 
-    rows = run(["eager", "thunder", "thunder+cudagraphex"], new_tokens=6, rounds=1, log=lambda _: None)
-    assert [r.variant for r in rows] == ["eager", "thunder", "thunder+cudagraphex"], table(rows)
+    variants = ["eager", "thunder", "thunder+cudagraphex", "thunder+cudagraphex-step"]
+    rows = run(variants, new_tokens=6, rounds=1, log=lambda _: None)
+    assert [r.variant for r in rows] == variants, table(rows)
     for r in rows:
         assert r.error is None, table(rows)
         assert r.equal_tokens == 6, table(rows)
         assert r.ms_per_generate > 0
+    # 3 generates of a prefill and 5 decode steps: the decode graph is captured after 2 warm-up calls
+    assert "2 capture(s)" in rows[-1].note and "not captured" not in rows[-1].note, table(rows)
 
 
 def test_the_llama_training_workload_agrees_with_eager_through_thunder_and_cudagraphex(monkeypatch):
