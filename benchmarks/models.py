@@ -150,6 +150,8 @@ class LlamaDecodeStep(nn.Module):
       which differs between transformers releases, is never traced.
 
     The cache is transformers' own ``StaticCache`` (one ``StaticLayer`` per decoder layer, tensors allocated up front).
+    Its tensors (keys, values and, under 5.x, counters) are also buffers of the submodule ``kv`` (the forward reaches
+    them through the cache), so that ``cudagraphex.graph_step`` guards them as the step's state.
     Under transformers 4.5x its layers write at ``cache_position``. Under 5.x they write at a running counter
     (``cumulative_length``) that they advance on every update; the step first sets that counter to ``cache_position``
     so that decoding at position P is idempotent. Thunder traces this cache as it is: the in-place writes to the
@@ -163,6 +165,12 @@ class LlamaDecodeStep(nn.Module):
         self.cache_kwarg = cache_kwarg
         self.counted = hasattr(cache.layers[0], "cumulative_length")
         self.register_buffer("kv_positions", torch.arange(max_cache_len), persistent=False)
+        self.kv = nn.Module()
+        for i, layer in enumerate(cache.layers):
+            self.kv.register_buffer(f"keys_{i}", layer.keys, persistent=False)
+            self.kv.register_buffer(f"values_{i}", layer.values, persistent=False)
+            if self.counted:
+                self.kv.register_buffer(f"length_{i}", layer.cumulative_length, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         if self.counted:

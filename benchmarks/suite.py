@@ -117,8 +117,8 @@ _VARIANT_COST = {
     "torch.compile(reduce-overhead)": 1.5,
     "thunder+torchcompile+cudagraphex": 2.0,
     "thunder+wholestep(unsafe)": 0.6,
-    "thunder+cudagraphex-step": 0.7,
-    "thunder+torchcompile+cudagraphex-step": 1.2,
+    "thunder+cudagraphex-step": 0.9,
+    "thunder+torchcompile+cudagraphex-step": 1.5,
     "thunder+torchcompile+wholestep(unsafe)": 1.1,
 }
 MICRO_COST_S = 15.0

@@ -17,7 +17,8 @@ Per-mode work is the same for every variant:
   ``collect`` starts from the state the case started from (:meth:`_StepStart.collect`), so that every variant
   compares the same step: the output, the gradients (as AdamW's first moments) and the output after the step.
 
-The whole-step variants (:data:`STEP_VARIANTS`) run ``train_step`` only (:func:`variant_modes`).
+The whole-step variants (:data:`STEP_VARIANTS`) run ``train_step``; those through ``graph_step`` run ``inference`` too
+(:func:`variant_modes`).
 
 ``manual-graph`` captures by hand, as the PyTorch CUDA-graph documentation shows (warm-up on a side stream, then
 ``torch.cuda.graph``):
@@ -36,8 +37,8 @@ The whole-step variants (:data:`STEP_VARIANTS`) run ``train_step`` only (:func:`
 ``thunder+wholestep(unsafe)`` captures the same step the same way, on ``thunder.jit(model)``: nothing checks that a
 replay is still valid (no prologue runs), so it is the floor of whole-step capture of a Thunder step.
 ``thunder+torchcompile+wholestep(unsafe)`` does the same with Thunder's torch.compile executor.
-``thunder+cudagraphex-step`` and ``thunder+torchcompile+cudagraphex-step`` run the step through
-``cudagraphex.graph_step``, which captures it whole after warm-up calls and replays it behind guards.
+``thunder+cudagraphex-step`` and ``thunder+torchcompile+cudagraphex-step`` run the step (in ``inference``, the no-grad
+forward) through ``cudagraphex.graph_step``, which captures it whole after warm-up calls and replays it behind guards.
 
 ``kernel-floor`` is not a way to run the model: the runner profiles the eager case and sums its GPU time.
 """
@@ -88,7 +89,7 @@ VARIANTS = (
     "thunder+torchcompile+cudagraphex-step",
     "kernel-floor",
 )
-#: Variants that capture the whole training step: they run ``train_step`` only.
+#: Variants that capture the whole training step (and, through ``graph_step``, the whole inference call).
 STEP_VARIANTS = (
     "thunder+wholestep(unsafe)",
     "thunder+torchcompile+wholestep(unsafe)",
@@ -110,14 +111,16 @@ def _no_op() -> None:
 
 
 def variant_modes(name: str) -> tuple[str, ...]:
-    """The modes variant ``name`` runs (where a workload has them): ``train_step`` for a whole-step variant, every
-    mode otherwise."""
-    return ("train_step",) if name in STEP_VARIANTS else MODES
+    """The modes variant ``name`` runs (where a workload has them): ``inference`` and ``train_step`` for a variant
+    through ``graph_step``, ``train_step`` for the other whole-step variants, every mode otherwise."""
+    if name not in STEP_VARIANTS:
+        return MODES
+    return ("inference", "train_step") if name.endswith("-step") else ("train_step",)
 
 
-def _only_train_step(mode: str) -> None:
-    if mode != "train_step":
-        raise ValueError(f"mode {mode!r} is not applicable: this variant captures the whole train_step only")
+def _only(mode: str, modes: tuple[str, ...]) -> None:
+    if mode not in modes:
+        raise ValueError(f"mode {mode!r} is not applicable: this variant runs {', '.join(modes)} only")
 
 
 def _backward_only_case(out: torch.Tensor, params: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
@@ -360,7 +363,7 @@ def compile_variant(name: str, module: nn.Module, graph_executor) -> Compiled:
         return WholeStep(module, thunder.jit(module, executors=[torch_compile_ex, *thunder.get_default_executors()]))
     if name in STEP_VARIANTS:
         options = _thunder_options(name.removesuffix("-step"), graph_executor)
-        return GraphStep(module, thunder.jit(module, **options))
+        return GraphStep(module, lambda m: thunder.jit(m, **options))
     if name.startswith("thunder"):
         return CompiledPerPhase(module, lambda m: thunder.jit(m, **_thunder_options(name, graph_executor)))
     if name == "torch.compile":
@@ -419,37 +422,47 @@ class WholeStep(Compiled):
     module."""
 
     def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
-        _only_train_step(mode)
+        _only(mode, ("train_step",))
         return _graphed_step_case(self.fn, self.module, args, grad_out)
 
 
-class GraphStep(Compiled):
-    """The ``-step`` variants: :func:`train_step` of a Thunder-compiled module run through ``cudagraphex.graph_step``,
-    which runs the first calls as they are, then captures the whole step once and replays it while its guards hold.
-    Every case makes a new step graph; :attr:`step` is that of the open case (for its report). On the CPU it uses
-    cudagraphex's emulating backend."""
+class GraphStep(CompiledPerPhase):
+    """The ``-step`` variants: :func:`train_step` (in ``inference``, the no-grad forward) of a Thunder-compiled module
+    run through ``cudagraphex.graph_step``, which runs the first calls as they are, then captures the whole call once
+    and replays it while its guards hold. Every case makes a new step graph; :attr:`step` is that of the open case (for
+    its report). On the CPU it uses cudagraphex's emulating backend."""
 
-    def __init__(self, module: nn.Module, fn: Callable) -> None:
-        super().__init__(module, fn)
+    def __init__(self, module: nn.Module, make: Callable[[nn.Module], Callable]) -> None:
+        super().__init__(module, make)
         self.step = None
 
     def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
         import cudagraphex
 
-        _only_train_step(mode)
+        _only(mode, ("inference", "train_step"))
+        phase = "inference" if mode == "inference" else "training"
+        if phase not in self._by_phase:
+            self._by_phase[phase] = self._make(self.module)
+        fn = self.fn = self._by_phase[phase]
         params = _params(self.module)
-        opt = make_optimizer(params)
-        backend = {} if any(p.is_cuda for p in params) else {"backend": "emulate"}
-        start = _StepStart(params, opt)
-        step = cudagraphex.graph_step(
-            train_step(self.fn, opt, grad_out), modules=[self.module], optimizers=[opt], **backend
-        )
-        self.step = step
+        backend = {} if any(p.is_cuda for p in self.module.parameters()) else {"backend": "emulate"}
 
         def close() -> None:
-            if self.step is step:  # the graph's pool and the optimizer state go with the case
+            if self.step is step:  # the graph's pool (and the optimizer state) go with the case
                 self.step = None
 
+        if mode == "inference":
+
+            def forward(*a: torch.Tensor) -> torch.Tensor:
+                with torch.no_grad():
+                    return fn(*a)
+
+            step = self.step = cudagraphex.graph_step(forward, modules=[self.module], **backend)
+            return Case(lambda: step(*args), lambda: [_copy(step(*args))], close)
+        opt = make_optimizer(params)
+        start = _StepStart(params, opt)
+        step = cudagraphex.graph_step(train_step(fn, opt, grad_out), modules=[self.module], optimizers=[opt], **backend)
+        self.step = step
         return start.case(lambda: step(*args), close)
 
 

@@ -510,7 +510,7 @@ def test_the_gpt_workloads_run_a_training_step_on_the_cpu(monkeypatch):
             assert records[(workload, "train_step", "thunder+wholestep(unsafe)")].error
 
 
-def test_step_variants_run_train_step_only(monkeypatch):
+def test_unsafe_step_variants_run_train_step_only(monkeypatch):
     _reduced(monkeypatch, "mlp16x256-b8")
     records, _ = _cpu_suite(["mlp16x256-b8"], ["inference", "train_step"], ["eager", "thunder+wholestep(unsafe)"])
     assert records[("mlp16x256-b8", "train_step", "eager")].correct is True
@@ -519,16 +519,18 @@ def test_step_variants_run_train_step_only(monkeypatch):
 
 
 def test_a_step_variant_runs_through_graph_step_on_the_cpu(monkeypatch):
-    """thunder+cudagraphex-step with cudagraphex's emulating backends: the suite finds it correct, and its step is
-    captured once and then replayed."""
+    """thunder+cudagraphex-step with cudagraphex's emulating backends: the suite finds it correct in inference (the
+    no-grad forward as the step) and train_step, and its step is captured once and then replayed."""
     import cudagraphex
     from benchmarks.suite import emulated_executor
     from benchmarks.variants import make_variant
 
     _reduced(monkeypatch, "mlp16x256-b8")
-    records, _ = _cpu_suite(["mlp16x256-b8"], ["train_step"], ["eager", "thunder+cudagraphex-step"])
-    r = records[("mlp16x256-b8", "train_step", "thunder+cudagraphex-step")]
-    assert r.error is None and r.correct is True and r.median_us > 0
+    records, _ = _cpu_suite(["mlp16x256-b8"], ["inference", "train_step"], ["eager", "thunder+cudagraphex-step"])
+    for mode in ("inference", "train_step"):
+        r = records[("mlp16x256-b8", mode, "thunder+cudagraphex-step")]
+        assert r.error is None and r.correct is True and r.median_us > 0
+        assert "1 capture(s)" in r.note, r.note
 
     setup = WORKLOADS["mlp16x256-b8"].build(torch.device("cpu"), True)
     compiled = make_variant(
@@ -541,6 +543,19 @@ def test_a_step_variant_runs_through_graph_step_on_the_cpu(monkeypatch):
     assert report.captures == 1 and report.replays >= 1, str(report)
     case.close()
     assert compiled.step is None
+
+
+def test_the_decode_step_replays_through_graph_step_with_its_cache_guarded(monkeypatch):
+    """llama-decode, reduced, through thunder+cudagraphex-step: the step's state includes the static cache's tensors,
+    the decode step is captured once and agrees with eager."""
+    pytest.importorskip("transformers")
+    _reduced(monkeypatch, "llama-decode")
+    records, _ = _cpu_suite(["llama-decode"], ["inference"], ["eager", "thunder+cudagraphex-step"])
+    r = records[("llama-decode", "inference", "thunder+cudagraphex-step")]
+    assert r.error is None and r.correct is True and "1 capture(s)" in r.note, (r.error, r.note)
+    model = WORKLOADS["llama-decode"].build(torch.device("cpu"), True).model
+    buffers = {id(b) for b in model.kv.buffers()}
+    assert all(id(layer.keys) in buffers and id(layer.values) in buffers for layer in model.cache.layers)
 
 
 def test_every_variant_and_workload_has_a_place_and_a_cost():
