@@ -169,13 +169,16 @@ def _markdown_document(records: Sequence[Mapping[str, Any]], meta: Mapping[str, 
     lines = [f"# cudagraphex benchmarks: {meta.get('gpu', '?')}, {meta.get('date', '?')}", ""]
     runs = meta.get("runs", [])
     # Each run records the versions it ran with; a file of one setup names them once, above the runs.
-    setups = {_versions_text(run.get("versions") or meta.get("versions") or {}) for run in runs} - {""}
-    if len(setups) == 1:
-        lines += [setups.pop(), ""]
+    setups = [
+        _versions_text(run.get("versions") or (meta.get("versions") if len(runs) == 1 else None) or {}) for run in runs
+    ]
+    shared = setups[0] if setups and setups[0] and setups.count(setups[0]) == len(setups) else None
+    if shared:
+        lines += [shared, ""]
     if runs:
         lines.append("Runs whose records this file holds:")
         lines.append("")
-        for run in runs:
+        for run, setup in zip(runs, setups, strict=True):
             options = run.get("options", {})
             text = (
                 f"- {run.get('started', '?')}, code {str(run.get('cudagraphex_commit', '?'))[:12]}: "
@@ -184,8 +187,8 @@ def _markdown_document(records: Sequence[Mapping[str, Any]], meta: Mapping[str, 
                 f"; {len(options.get('variants', []))} variant(s); budget {options.get('budget_s', '?')} s, took "
                 f"{run.get('elapsed_s', '?')} s"
             )
-            if len(setups) > 1 and run.get("versions"):
-                text += f"; {_versions_text(run['versions'])}"
+            if not shared:
+                text += f"; {setup or 'versions not recorded'}"
             if run.get("cuda_context_failed"):
                 text += f"; the CUDA context failed: {run['cuda_context_failed']}"
             lines.append(text)

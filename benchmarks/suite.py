@@ -25,6 +25,7 @@ variant, mode after mode:
   call. Fifteen rounds by default: the blocks of a backward vary by ±25% within one run, eager's as much as any
   graph variant's, and with five rounds the ratio of two variants' medians was 0.68 in one pass of a run and 0.86 in
   the next.
+
 ``torch.compile(mode="reduce-overhead")`` is set up first, and timed right after its setup (``TIMED_AT_SETUP``):
 interleaved timing makes a second case of each compiled model, and reduce-overhead's second ``train_bwd`` case
 failed in CUDA-graph trees ("invalid device pointer"). Set up first because it frees cuBLAS's workspaces when it

@@ -96,8 +96,8 @@ STEP_VARIANTS = (
     "thunder+cudagraphex-step",
     "thunder+torchcompile+cudagraphex-step",
 )
-#: Variants whose calls go through cudagraphex's regions (their notes report its regions and graphs; their times, the
-#: share spent in region calls). The ``-step`` variants replay one step graph instead.
+#: Variants whose calls go through cudagraphex's regions (their notes report its regions and graphs). The ``-step``
+#: variants replay one step graph instead.
 GRAPH_VARIANTS = (
     "thunder+cudagraphex",
     "thunder+cudagraphex(last)",
