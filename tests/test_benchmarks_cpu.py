@@ -253,7 +253,7 @@ def test_the_header_names_the_versions_of_each_run(tmp_path):
     (line_b,) = [line for line in md.splitlines() if line.startswith("- b,")]
     assert "transformers 4.55.4" in line_a and "transformers 5.24.0" in line_b
 
-    runs = [{"started": "a"}, {"started": "b", "versions": other}]  # a run written before runs recorded versions
+    runs = [{"started": "a"}, {"started": "b", "versions": other}]  # a run entry without versions
     md = write_results(_fake_records(), dict(_META, runs=runs), tmp_path)["md"].read_text()
     assert "- a," in md and "versions not recorded" in md and md.count("transformers 5.24.0") == 1
 
