@@ -48,12 +48,12 @@ def _optimizer(params, backend, adam=True):
 class _Pair:
     """A model trained through ``graph_step`` and its twin trained by plain Thunder, with one step function each."""
 
-    def __init__(self, backend, make_model=None, pattern="zero_first", adam=True, **options):
+    def __init__(self, backend, make_model=None, pattern="zero_first", adam=True, optimizer=None, **options):
         self.backend = backend
         model = (make_model or (lambda: mlp(2, 16)))().to(backend.device)
         self.models = [model, twin(model)]
         self.compiled = [jit(self.models[0], backend.executor), thunder.jit(self.models[1])]
-        self.opts = [_optimizer(m.parameters(), backend, adam) for m in self.models]
+        self.opts = [(optimizer or _optimizer)(m.parameters(), backend, adam) for m in self.models]
         self.steps = [self._step_fn(i, pattern) for i in range(2)]
         self.step = graph_step(
             self.steps[0], modules=[self.models[0]], optimizers=[self.opts[0]], backend=backend.name, **options
@@ -475,6 +475,45 @@ def test_past_max_graphs_the_step_runs_without_its_graph(backend):
     report = explain(pair.step)
     assert report.captures == 1
     assert report.plain_calls["not captured"] >= 1
+
+
+def _lowered_every_step(pair):
+    return [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) for opt in pair.opts]
+
+
+def test_a_learning_rate_schedule_on_a_tensor_lr_replays_one_graph(backend):
+    def adamw_with_tensor_lr(params, backend, adam):
+        lr = torch.tensor(1e-2, device=backend.device)  # a scheduler fills it in place
+        if backend.name == "cuda":
+            return torch.optim.AdamW(params, lr=lr, capturable=True, foreach=True)
+        return torch.optim.AdamW(params, lr=lr, fused=True)  # the CPU's AdamW that reads no value on the host
+
+    pair = _Pair(backend, optimizer=adamw_with_tensor_lr)
+    schedulers = _lowered_every_step(pair)
+    for i in range(8):
+        pair.call(*pair.batch(), seed=i)  # the lowered learning rate reaches both
+        for scheduler in schedulers:
+            scheduler.step()
+    report = explain(pair.step)
+    assert report.captures == 1 and report.replays == 4
+
+
+def test_a_learning_rate_schedule_on_a_float_lr_is_named_when_the_budget_runs_out(backend):
+    pair = _Pair(backend, adam=False, max_graphs=2)
+    schedulers = _lowered_every_step(pair)
+
+    def call(i):
+        pair.call(*pair.batch(), seed=i)
+        for scheduler in schedulers:
+            scheduler.step()
+
+    for i in range(5):  # warm-up, then a capture per learning rate
+        call(i)
+    with pytest.warns(
+        UserWarning, match=r"max_graphs=2 times; last, param group 0's lr changed from .*lr=torch.tensor"
+    ):
+        call(5)
+    assert explain(pair.step).captures == 2
 
 
 # -- what is not captured ----------------------------------------------------------------------------------------------

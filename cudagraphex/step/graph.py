@@ -100,6 +100,7 @@ from cudagraphex.step.rows import RowCheck
 from cudagraphex.step.state import (
     HostWork,
     Slots,
+    hyperparameter_change,
     is_tensor,
     same_hyperparameters,
     state_layout,
@@ -162,6 +163,8 @@ class StepGraph:
         #: With capture_sizes: per rows key, the graph padded calls replay and how its outputs carry the rows.
         self._padded: dict[tuple, tuple[StepCapture, list]] = {}
         self._row_plans: dict[tuple, tuple[str | None, list]] = {}
+        #: Why a graph of a known signature no longer fitted, where a hyperparameter says so (for the budget's message).
+        self._recaptured_because: str | None = None
 
     # -- calls --------------------------------------------------------------------------------------------------------
 
@@ -308,9 +311,11 @@ class StepGraph:
             self._refuse(None, "an argument shares memory with another argument or with the step's state")
             return self._plain(args, kwargs, "arguments share memory", inside_step=False)
         known = self._graphs.get(key)
-        if known is not None and self._fits(known, flat, spec):
-            self._current = known
-            return self._replay(known, flat)
+        if known is not None:
+            if self._fits(known, flat, spec):
+                self._current = known
+                return self._replay(known, flat)
+            self._recaptured_because = hyperparameter_change(slots.hyperparameters(), known.hyperparameters)
         self._warmups[key] += 1
         if self._warmups[key] < self.warmup_calls:
             return self._plain(args, kwargs, "warm-up")
@@ -329,7 +334,8 @@ class StepGraph:
                     self._report.not_padded.setdefault(rows, f"the step is not captured: it {scan.found}")
             return out
         if self._report.captures >= self.max_graphs:
-            self._refuse(key, f"it was captured max_graphs={self.max_graphs} times")
+            why = self._recaptured_because
+            self._refuse(key, f"it was captured max_graphs={self.max_graphs} times" + (f"; last, {why}" if why else ""))
             return self._plain(args, kwargs, "not captured", inside_step=False)
         graph, out, problem = self._capture(flat, spec, key)
         if problem is not None:

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = [
     "HostWork",
     "Slots",
+    "hyperparameter_change",
     "is_tensor",
     "keep_slots",
     "same_hyperparameters",
@@ -161,21 +162,28 @@ def is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def same_hyperparameters(a: list, b: list) -> bool:
-    if len(a) != len(b):
-        return False
-    for ga, gb in zip(a, b, strict=True):
-        if len(ga) != len(gb):
-            return False
-        for (ka, va), (kb, vb) in zip(ga, gb, strict=True):
-            if ka != kb:
-                return False
-            if is_tensor(va) or is_tensor(vb):
-                if va is not vb:
-                    return False
-            elif type(va) is not type(vb) or va != vb:
-                return False
-    return True
+def hyperparameter_change(now: list, captured: list) -> str | None:
+    """How the optimizers' hyperparameters ``now`` differ from ``captured`` (``Slots.hyperparameters``): numbers and
+    other Python values by type and value, tensors by identity; None where they do not."""
+    if len(now) != len(captured):
+        return f"the optimizers have {len(now)} param groups instead of {len(captured)}"
+    for group, (gn, gc) in enumerate(zip(now, captured, strict=True)):
+        if [k for k, _ in gn] != [k for k, _ in gc]:
+            return f"param group {group}'s hyperparameters changed names"
+        for (key, vn), (_, vc) in zip(gn, gc, strict=True):
+            if is_tensor(vn) or is_tensor(vc):
+                if vn is not vc:
+                    return f"param group {group}'s {key} is another tensor"
+            elif type(vn) is not type(vc) or vn != vc:
+                return (
+                    f"param group {group}'s {key} changed from {vc!r} to {vn!r} (a value that changes every step "
+                    f"belongs in a tensor, such as lr=torch.tensor(...), which schedulers update in place)"
+                )
+    return None
+
+
+def same_hyperparameters(now: list, captured: list) -> bool:
+    return hyperparameter_change(now, captured) is None
 
 
 class HostWork(TorchDispatchMode):
