@@ -285,6 +285,28 @@ def test_an_argument_written_in_place_is_updated_once_per_call(backend):
     assert _replays(pair.step) >= 2
 
 
+def test_a_step_called_under_inference_mode_replays_and_writes_its_arguments(backend):
+    model = mlp(2, 16).to(backend.device)
+    compiled = [jit(model, backend.executor), thunder.jit(model)]
+
+    def decode(i):
+        def step(x, cache):
+            cache.add_(x.sum(0))  # a state the caller passes in, written in place
+            return compiled[i](x + cache)
+
+        return step
+
+    step = graph_step(decode(0), modules=[model], backend=backend.name)
+    with torch.inference_mode():
+        caches = [torch.zeros(16, device=backend.device) for _ in range(2)]
+        for _ in range(6):
+            x = torch.randn(4, 16, device=backend.device)
+            got, want = step(x, caches[0]), decode(1)(x, caches[1])
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(caches[0], caches[1])
+    assert explain(step).replays == 3
+
+
 def test_arguments_that_share_memory_are_not_copied_apart(backend):
     def scale_twice(loss, a, b):
         a.add_(1)

@@ -385,10 +385,12 @@ class StepGraph:
         graph = StepCapture()
         tensor_idx = [i for i, a in enumerate(flat) if is_tensor(a)]
         graph.pick_args = picker(tensor_idx)
-        graph.buffers = [
-            torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-            for a in map(flat.__getitem__, tensor_idx)
-        ]
+        # Normal tensors, also under inference mode: the arguments the step writes are found by version counters.
+        with torch.inference_mode(False):
+            graph.buffers = [
+                torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                for a in map(flat.__getitem__, tensor_idx)
+            ]
         for buf, i in zip(graph.buffers, tensor_idx, strict=True):
             buf.copy_(flat[i])
         graph.arg_guard = layout_guard([flat[i] for i in tensor_idx])
