@@ -67,6 +67,22 @@ def test_padded_calls_equal_unpadded_calls_with_one_graph_per_size(backend):
     assert report.padded_rows == sum({3: 4, 5: 8, 6: 8, 7: 8}[n] - n for n in padded)
 
 
+def test_padded_calls_under_inference_mode_equal_unpadded_calls(backend):
+    """Under inference mode composite ops (linear, layer_norm) reach the row check undecomposed; it checks their
+    decompositions, so padding is allowed as it is with autograd on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 16)).to(backend.device)
+    compiled = jit(model, backend.executor)
+    step = graph_step(lambda x: compiled(x).softmax(-1), capture_sizes=[2, 4, 8], backend=backend.name)
+    with torch.inference_mode():
+        step.prepare(_rows(backend, 8))
+        for n in (3, 5, 8, 1, 7, 2, 6):
+            x = _rows(backend, n)
+            torch.testing.assert_close(step(x), model(x).softmax(-1))
+    report = explain(step)
+    assert report.not_padded == {} and report.padded_calls == 5, str(report)
+
+
 def test_without_prepare_a_size_is_captured_from_calls_of_that_size(backend):
     model, serve = _serving(backend)
     step = graph_step(serve, capture_sizes=[4], backend=backend.name)

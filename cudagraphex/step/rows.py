@@ -32,6 +32,7 @@ What refuses padding (the first such op is the reason)
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 from collections.abc import Sequence
@@ -44,6 +45,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["Maybe", "RowCheck", "Rows"]
+
+
+@functools.cache
+def _composite(func: torch._ops.OpOverload) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
 
 aten = torch.ops.aten
 
@@ -162,6 +169,13 @@ class RowCheck(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.problem is not None:
             return func(*args, **kwargs)
+        if _composite(func):
+            # Under inference mode composite ops (linear, layer_norm) reach the mode whole: checked as the ops they
+            # decompose into, which is what reaches it with autograd on.
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         try:
             inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             if func.overloadpacket in _LIFTS:  # torch.tensor(data): made outside the dispatcher, from host data
