@@ -41,7 +41,8 @@ __all__ = [
 _registrations = [0]
 #: id -> weak reference of every module in the module tree of a step's slots.
 _watched: dict[int, weakref.ref] = {}
-_lock = threading.Lock()
+#: Reentrant: a weak reference's callback (``_unwatch``) can run in a collection that ``_watch`` triggers.
+_lock = threading.RLock()
 _hooks: list[Any] = []
 
 
