@@ -583,7 +583,7 @@ def test_generate_gives_eagers_tokens_through_thunder_and_cudagraphex():
         assert r.error is None, table(rows)
         assert r.equal_tokens == 6, table(rows)
         assert r.ms_per_generate > 0
-    # 3 generates of a prefill and 5 decode steps: the decode graph is captured after 2 warm-up calls
+    # 3 generates, each a prefill and 5 decode steps: each of the two is captured after 2 warm-up calls
     assert "2 capture(s)" in rows[-1].note and "not captured" not in rows[-1].note, table(rows)
 
 
@@ -597,7 +597,7 @@ def test_the_llama_training_workload_agrees_with_eager_through_thunder_and_cudag
     variants = ["eager", "thunder", "thunder+cudagraphex", "thunder+cudagraphex-step"]
     records, _ = _cpu_suite(["llama1b-4l-train"], ["train_bwd", "train_step"], variants)
     for mode, variant in [(m, v) for m in ("train_bwd", "train_step") for v in variants]:
-        if (mode, variant) != ("train_bwd", "thunder+cudagraphex-step"):  # a step variant runs train_step only
+        if (mode, variant) != ("train_bwd", "thunder+cudagraphex-step"):  # step variants run no train_bwd
             r = records[("llama1b-4l-train", mode, variant)]
             assert r.error is None and r.correct is True, (mode, variant, r.error, r.rel_err)
     assert "0 graph(s)" not in records[("llama1b-4l-train", "train_step", "thunder+cudagraphex")].note
