@@ -232,7 +232,8 @@ def _function_graphs(fn: Any) -> Iterable[tuple[str, str, FunctionGraphs]]:
     cd = thunder.compile_data(fn)
     if cd is None:
         raise TypeError(
-            f"explain() takes a function compiled by thunder.jit, thunder.compile or thunderfx, got {type(fn).__name__}"
+            "cudagraphex.explain and cudagraphex.inspect take a function compiled by thunder.jit, thunder.compile or"
+            f" thunderfx (explain also a graph_step step), got {type(fn).__name__}"
         )
     for name, graphs in getattr(cd, "_cudagraphex", {}).items():
         yield name, name, graphs

@@ -498,8 +498,10 @@ def test_explain_reads_as_text_and_as_data(backend):
 
 
 def test_explain_rejects_what_thunder_did_not_compile():
-    with pytest.raises(TypeError, match="explain"):
+    with pytest.raises(TypeError, match="explain and cudagraphex.inspect take .* got function"):
         explain(lambda x: x)
+    with pytest.raises(TypeError, match="explain and cudagraphex.inspect take .* got StepGraph"):
+        cudagraphex.inspect(cudagraphex.graph_step(lambda x: x, backend="emulate"))
 
 
 @pytest.mark.cuda

@@ -668,6 +668,8 @@ def test_a_failed_capture_runs_the_step_as_is():
 
 
 def test_bad_options_raise():
+    with pytest.raises(TypeError, match="fn must be callable, got str"):
+        graph_step("step")
     with pytest.raises(TypeError, match="modules"):
         graph_step(lambda: None, modules=[object()])
     with pytest.raises(TypeError, match="optimizers"):

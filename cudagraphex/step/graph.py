@@ -127,6 +127,8 @@ class StepGraph:
         backend: str,
         capture_sizes: Sequence[int] | None = None,
     ) -> None:
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.modules = list(modules)
@@ -487,7 +489,7 @@ def graph_step(
             capture every size up front.
 
     Raises:
-        TypeError: for a module or optimizer of the wrong type.
+        TypeError: for an ``fn`` that is not callable, or a module or optimizer of the wrong type.
         ValueError: for an invalid option; with ``capture_sizes``, at a call whose tensor arguments disagree on their
             number of rows.
     """
