@@ -217,7 +217,7 @@ def inspect(fn: Any) -> Inspection:
     Raises:
         TypeError: if ``fn`` was not compiled by Thunder.
     """
-    return Inspection(tuple((label, name, graphs) for label, name, graphs in _function_graphs(fn)))
+    return Inspection(tuple(_function_graphs(fn)))
 
 
 def _function_graphs(fn: Any) -> Iterable[tuple[str, str, FunctionGraphs]]:

@@ -165,8 +165,6 @@ class StepGraph:
         #: With capture_sizes: per rows key, the graph padded calls replay and how its outputs carry the rows.
         self._padded: dict[tuple, tuple[StepCapture, list]] = {}
         self._row_plans: dict[tuple, tuple[str | None, list]] = {}
-        #: Why a graph of a known signature no longer fitted, where a hyperparameter says so (for the budget's message).
-        self._recaptured_because: str | None = None
 
     # -- calls --------------------------------------------------------------------------------------------------------
 
@@ -216,13 +214,16 @@ class StepGraph:
             graph.buffers[0].copy_(args[0])
         elif graph.buffers:
             torch._foreach_copy_(graph.buffers, list(args))
+        self._launch(graph)
+        self._report.replays += 1
+        write_back(args, graph.buffers, graph.written)
+        return handed_out(graph.outputs, graph.out_spec)
+
+    def _launch(self, graph: StepCapture) -> None:
         if self.emulated:
             replay_emulated(self.fn, graph, self._slots)
         else:
             graph.graph.replay()
-        self._report.replays += 1
-        write_back(args, graph.buffers, graph.written)
-        return handed_out(graph.outputs, graph.out_spec)
 
     # -- batch-size buckets (see cudagraphex.step.buckets) ---------------------------------------------------------
 
@@ -263,17 +264,15 @@ class StepGraph:
                     + self._report.not_padded[size]
                 )
             return self._plain(args, kwargs, "not padded", inside_step=False)
-        if unhashable_argument(flat) is not None:
+        try:
+            padded = self._padded.get(buckets.rows_key(flat, spec, size))
+        except TypeError:  # an unhashable Python argument: the slow path says why it runs as is
             return self._slow(args, kwargs)
-        padded = self._padded.get(buckets.rows_key(flat, spec, size))
         if padded is None or not self._fits(padded[0], flat, spec, rows):
             return self._plain(args, kwargs, "no graph to pad into yet", inside_step=False)
         graph, layouts = padded
         buckets.copy_rows(graph.buffers, graph.pick_args(flat), rows)
-        if self.emulated:
-            replay_emulated(self.fn, graph, self._slots)
-        else:
-            graph.graph.replay()
+        self._launch(graph)
         report = self._report
         report.replays += 1
         report.padded_calls += 1
@@ -313,11 +312,9 @@ class StepGraph:
             self._refuse(None, "an argument shares memory with another argument or with the step's state")
             return self._plain(args, kwargs, "arguments share memory", inside_step=False)
         known = self._graphs.get(key)
-        if known is not None:
-            if self._fits(known, flat, spec):
-                self._current = known
-                return self._replay(known, flat)
-            self._recaptured_because = hyperparameter_change(slots.hyperparameters(), known.hyperparameters)
+        if known is not None and self._fits(known, flat, spec):
+            self._current = known
+            return self._replay(known, flat)
         self._warmups[key] += 1
         if self._warmups[key] < self.warmup_calls:
             return self._plain(args, kwargs, "warm-up")
@@ -336,7 +333,8 @@ class StepGraph:
                     self._report.not_padded.setdefault(rows, f"the step is not captured: it {scan.found}")
             return out
         if self._report.captures >= self.max_graphs:
-            why = self._recaptured_because
+            # Where this call's signature has a graph that no longer fits, a changed hyperparameter may say why.
+            why = known and hyperparameter_change(slots.hyperparameters(), known.hyperparameters)
             self._refuse(key, f"it was captured max_graphs={self.max_graphs} times" + (f"; last, {why}" if why else ""))
             return self._plain(args, kwargs, "not captured", inside_step=False)
         graph, out, problem = self._capture(flat, spec, key)
