@@ -127,13 +127,11 @@ def _forward_of(variant: str, model: torch.nn.Module, cudagraphex_executor) -> C
         from thunder.transforms.cudagraph import CUDAGraphTransform
 
         return thunder.jit(model.forward, transforms=[CUDAGraphTransform()])
-    if variant.startswith("thunder+cudagraphex"):
-        jitted = thunder.jit(model.forward, executors=[cudagraphex_executor, *defaults])
-        return _stepped(jitted, model) if variant.endswith("-step") else jitted
-    if variant.startswith("thunder+torchcompile+cudagraphex"):
+    if variant.startswith(("thunder+cudagraphex", "thunder+torchcompile+cudagraphex")):
         from thunder.executors.torch_compile import torch_compile_ex
 
-        jitted = thunder.jit(model.forward, executors=[cudagraphex_executor, torch_compile_ex, *defaults])
+        fusers = [torch_compile_ex] if "torchcompile" in variant else []
+        jitted = thunder.jit(model.forward, executors=[cudagraphex_executor, *fusers, *defaults])
         return _stepped(jitted, model) if variant.endswith("-step") else jitted
     raise ValueError(f"unknown variant {variant!r}; the variants: {', '.join(VARIANTS)}")
 

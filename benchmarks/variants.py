@@ -310,11 +310,16 @@ class CompiledPerPhase(Compiled):
         self._make = make
         self._by_phase: dict[str, Callable] = {}
 
-    def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
+    def fn_for(self, mode: str) -> Callable:
+        """The jitted function of ``mode``'s phase (made on first use); it becomes :attr:`fn`."""
         phase = "inference" if mode == "inference" else "training"
         if phase not in self._by_phase:
             self._by_phase[phase] = self._make(self.module)
         self.fn = self._by_phase[phase]
+        return self.fn
+
+    def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
+        self.fn_for(mode)
         return super().case(mode, args, grad_out)
 
 
@@ -440,10 +445,7 @@ class GraphStep(CompiledPerPhase):
         import cudagraphex
 
         _only(mode, ("inference", "train_step"))
-        phase = "inference" if mode == "inference" else "training"
-        if phase not in self._by_phase:
-            self._by_phase[phase] = self._make(self.module)
-        fn = self.fn = self._by_phase[phase]
+        fn = self.fn_for(mode)
         params = _params(self.module)
         backend = {} if any(p.is_cuda for p in self.module.parameters()) else {"backend": "emulate"}
 
