@@ -446,9 +446,9 @@ class StepGraph:
             self._report.captures,
             f"; its state moved ({moved}), so the next call captures again" if moved else "",
         )
-        if not self.emulated:
+        if not self.emulated:  # the emulated capture ran the step: that run stands for this call's replay
             graph.graph.replay()
-            self._report.replays += 1
+        self._report.replays += 1
         write_back(graph.pick_args(flat), graph.buffers, graph.written)
         return None if moved else graph, handed_out(graph.outputs, graph.out_spec), None
 

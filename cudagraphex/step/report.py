@@ -13,6 +13,7 @@ class StepReport:
 
     function: str
     captures: int = 0
+    #: Calls the step graph served, the capturing call included (on both backends).
     replays: int = 0
     #: Calls that ran ``fn`` as is, by reason (warm-up included).
     plain_calls: dict[str, int] = field(default_factory=dict)
