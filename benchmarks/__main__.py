@@ -332,8 +332,10 @@ def _merged(
     holders = {r.get("run") for r in merged}
     merged_meta = dict(meta)
     this_run = meta["runs"][-1]["started"]
+    # A file written by one setup names its versions once, in its meta; its runs keep them when they are merged.
+    file_versions = old.get("meta", {}).get("versions")
     earlier = [
-        r
+        {"versions": file_versions, **r} if file_versions and "versions" not in r else r
         for r in old.get("meta", {}).get("runs", [])
         if r.get("started") != this_run and (None in holders or r.get("started") in holders)
     ]

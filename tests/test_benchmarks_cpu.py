@@ -240,6 +240,18 @@ def test_merge_drops_the_runs_whose_records_were_all_redone(tmp_path):
     assert [run["started"] for run in meta["runs"]] == ["now", "later"]
 
 
+def test_merge_keeps_the_versions_a_file_names_once(tmp_path):
+    from benchmarks.__main__ import _merged
+
+    versions = {"torch": "2.11.0", "transformers": "4.55.4"}
+    older = [dict(r, run="earlier") for r in _fake_records()]
+    write_results(older, dict(_META, versions=versions, runs=[{"started": "earlier"}]), tmp_path)
+    fresh = [dict(older[0], variant="thunder", run="now")]
+    now = {"started": "now", "versions": dict(versions, transformers="5.24.0")}
+    _, meta = _merged(fresh, dict(_META, runs=[now]), tmp_path)
+    assert [run["versions"] for run in meta["runs"]] == [versions, now["versions"]]
+
+
 def test_the_header_names_the_versions_of_each_run(tmp_path):
     one = {"torch": "2.11.0", "transformers": "4.55.4"}
     other = {"torch": "2.11.0", "transformers": "5.24.0"}
