@@ -132,7 +132,7 @@ def test_tensor_that_is_none_at_run_time_passes_through_graphs(backend, keep_out
 
     ex = backend.executor
     if not produced_in_a_graph:  # the second graph then copies the None in, after an eager warm-up
-        ex = _Keeps(f"cudagraphex_no_doubled_{backend.name}", "doubled_and_none", backend=ex._backend.name)
+        ex = _Keeps(f"cudagraphex_no_doubled_{backend.name}", "doubled_and_none", backend=backend.name)
     jf = thunder.jit(f, executors=[ex, _declares_more, *thunder.get_default_executors()])
     kept = []
     for _ in range(4):
@@ -844,7 +844,7 @@ def test_signature_protection_bites():
 
 def test_graph_budget_warns_once_and_runs_eagerly(backend):
     ex = backend.executor
-    limited = CUDAGraphExecutor(f"cudagraphex_budget_{ex.name}", backend=ex._backend.name, max_graphs_per_region=2)
+    limited = CUDAGraphExecutor(f"cudagraphex_budget_{ex.name}", backend=backend.name, max_graphs_per_region=2)
 
     def f(x):
         return x.sin() * 2 + 1
@@ -927,7 +927,7 @@ def test_capture_failure_protection_bites():
 
 def test_strict_mode_raises_instead_of_falling_back(backend):
     strict = CUDAGraphExecutor(
-        f"cudagraphex_strict_{backend.name}", backend=backend.executor._backend.name, strict=True
+        f"cudagraphex_strict_{backend.name}", backend=backend.name, strict=True
     )
     jf = thunder.jit(with_fragile_op, executors=[strict, _fragile, *thunder.get_default_executors()])
     x = torch.randn(16, device=backend.device)

@@ -26,7 +26,7 @@ from tests.helpers import BACKENDS, assert_grads_close, emulated, jit, twin
 
 
 def transform_for(backend, **kwargs) -> CUDAGraphTransform:
-    return CUDAGraphTransform(backend=backend.executor._backend.name, **kwargs)
+    return CUDAGraphTransform(backend=backend.name, **kwargs)
 
 
 def transform_graphs(jfn, transform: CUDAGraphTransform) -> FunctionGraphs:
