@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import sys
 import textwrap
@@ -128,46 +127,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _versions() -> dict[str, str]:
-    from importlib import metadata
-
-    import thunder
-    import torch
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    versions["thunder"] = getattr(thunder, "__version__", "unknown")
-    import cudagraphex
-
-    versions["cudagraphex"] = cudagraphex.__version__  # imported from the tree, installed or not
-    try:
-        versions["transformers"] = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        versions["transformers"] = "not installed"
-    versions["cudagraphex_commit"] = _commit()
-    return versions
-
-
-def _commit() -> str:
-    """The git commit of the code measured: the environment variable ``CUDAGRAPHEX_COMMIT`` when set (a copy of the
-    tree, as on the GPU machine, may carry a stale ``.git``), else ``git rev-parse HEAD`` here, else "unknown"."""
-    import subprocess
-
-    if os.environ.get("CUDAGRAPHEX_COMMIT"):
-        return os.environ["CUDAGRAPHEX_COMMIT"]
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            check=False,
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
-
-
 def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
     """Runs the benchmarks, prints the table, writes the results. ``device`` is for testing this on the CPU."""
     import torch
@@ -262,11 +221,12 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
     import torch
 
     options = suite.options
-    versions = _versions()
+    from benchmarks.report import commit, versions
+
     run = {
         "started": started,
-        "cudagraphex_commit": versions.pop("cudagraphex_commit"),
-        "versions": versions,
+        "cudagraphex_commit": commit(),
+        "versions": versions(),
         "options": {
             "workloads": [w.name for w in suite.workloads],
             "modes": list(args.modes),

@@ -28,18 +28,21 @@ The path needs transformers 4.46-4.55 (the range Thunder's Hugging Face recipe s
 benchmarks): under 5.x, ``thunder.jit`` of ``LlamaForCausalLM.forward`` fails. Without a GPU the same code runs a tiny
 configuration in float32 with cudagraphex's CPU replay backend (the suite's tests).
 
-Run: ``python -m benchmarks.generate [--new-tokens 100] [--rounds 5] [--layers 16] [--variants a,b]``.
+Run: ``python -m benchmarks.generate [--new-tokens 100] [--rounds 5] [--layers 16] [--variants a,b] [--out DIR]``;
+``--out`` appends the run, with its versions and command line, to ``DIR/<date>-<gpu>-generate.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -283,6 +286,26 @@ def table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def write_run(rows: Sequence[Row], argv: Sequence[str], out_dir: Path) -> Path:
+    """Appends this run (its start, code, versions, command line and table) to ``<out_dir>/<date>-<gpu>-generate.md``;
+    returns the file's path. Each run's ratios are to its own eager row."""
+    from benchmarks.report import commit, results_basename, versions
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    path = out_dir / f"{results_basename(now.date().isoformat(), gpu)}-generate.md"
+    head = "" if path.exists() else f"# cudagraphex: Hugging Face `generate`, {gpu}, {now.date().isoformat()}\n"
+    setup = ", ".join(f"{k} {v}" for k, v in versions().items())
+    text = (
+        f"{head}\n## Run of {now.isoformat(timespec='seconds')}, code {commit()[:12]}\n\n{setup}\n\n"
+        f"`python -m benchmarks.generate {' '.join(argv)}`\n\n{table(rows)}\n"
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(text)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.generate",
@@ -293,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, help="decoder layers (default: Llama-3.2-1B's 16)")
+    parser.add_argument("--out", type=Path, help="also append the run to OUT/<date>-<gpu>-generate.md")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     variants = VARIANTS if args.variants is None else tuple(args.variants.split(","))
     unknown = [v for v in variants if v not in VARIANTS]
@@ -300,6 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown variant(s) {', '.join(unknown)}; the variants: {', '.join(VARIANTS)}")
     rows = run(variants, new_tokens=args.new_tokens, rounds=args.rounds, layers=args.layers)
     print(table(rows))
+    if args.out is not None:
+        print(f"Appended to {write_run(rows, argv, args.out)}")
     return 1 if any(r.error for r in rows) else 0
 
 

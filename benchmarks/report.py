@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import platform
 import re
+import subprocess
 import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -72,6 +75,44 @@ class Record:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def versions() -> dict[str, str]:
+    """The versions a run measures: Python, torch, Thunder, cudagraphex (as imported) and transformers."""
+    from importlib import metadata
+
+    import thunder
+    import torch
+
+    import cudagraphex
+
+    found = {"python": platform.python_version(), "torch": torch.__version__}
+    found["thunder"] = getattr(thunder, "__version__", "unknown")
+    found["cudagraphex"] = cudagraphex.__version__  # imported from the tree, installed or not
+    try:
+        found["transformers"] = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        found["transformers"] = "not installed"
+    return found
+
+
+def commit() -> str:
+    """The git commit of the code measured: the environment variable ``CUDAGRAPHEX_COMMIT`` when set (a copy of the
+    tree, as on the GPU machine, may carry a stale ``.git``), else ``git rev-parse HEAD`` here, else "unknown"."""
+    if os.environ.get("CUDAGRAPHEX_COMMIT"):
+        return os.environ["CUDAGRAPHEX_COMMIT"]
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            check=False,
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
 def slug(text: str) -> str:

@@ -298,12 +298,12 @@ def test_main_job_writes_results_after_each_workload(tmp_path, capsys, monkeypat
 
 
 def test_the_commit_measured_comes_from_the_environment_first(monkeypatch):
-    from benchmarks.__main__ import _commit
+    from benchmarks.report import commit
 
     monkeypatch.setenv("CUDAGRAPHEX_COMMIT", "0123abc")
-    assert _commit() == "0123abc"  # a copied tree's .git may be stale
+    assert commit() == "0123abc"  # a copied tree's .git may be stale
     monkeypatch.delenv("CUDAGRAPHEX_COMMIT")
-    assert _commit() != "0123abc"
+    assert commit() != "0123abc"
 
 
 # -- failures: whole tracebacks, the exit status, expected failures ----------------------------------------------------
@@ -597,6 +597,24 @@ def test_generate_gives_eagers_tokens_through_thunder_and_cudagraphex():
         assert r.ms_per_generate > 0
     # 3 generates, each a prefill and 5 decode steps: each of the two is captured after 2 warm-up calls
     assert "2 capture(s)" in rows[-1].note and "not captured" not in rows[-1].note, table(rows)
+
+
+def test_generate_appends_each_run_with_its_code_and_command(tmp_path, monkeypatch):
+    from benchmarks.generate import Row, write_run
+
+    monkeypatch.setenv("CUDAGRAPHEX_COMMIT", "0123abc")
+    rows = [Row("eager", 20.0, 5.0, 6, 6, 1.0), Row("thunder", None, None, 0, 6, 2.0, error="RuntimeError: boom")]
+    first = write_run(rows, ["--layers", "4"], tmp_path)
+    second = write_run(rows[:1], ["--variants", "eager"], tmp_path)
+    assert first == second and first.name.endswith("-cpu-generate.md")
+    text = first.read_text()
+    assert text.count("# cudagraphex: Hugging Face `generate`") == 1 and text.count("## Run of") == 2
+    assert text.count("code 0123abc") == 2 and "torch " in text
+    assert (
+        "`python -m benchmarks.generate --layers 4`" in text
+        and "`python -m benchmarks.generate --variants eager`" in text
+    )
+    assert "| eager | 20.0 | 5.0 | 1.00 | 6/6 | 1.0 |  |" in text and "RuntimeError: boom" in text
 
 
 def test_the_llama_training_workload_agrees_with_eager_through_thunder_and_cudagraphex(monkeypatch):

@@ -926,9 +926,7 @@ def test_capture_failure_protection_bites():
 
 
 def test_strict_mode_raises_instead_of_falling_back(backend):
-    strict = CUDAGraphExecutor(
-        f"cudagraphex_strict_{backend.name}", backend=backend.name, strict=True
-    )
+    strict = CUDAGraphExecutor(f"cudagraphex_strict_{backend.name}", backend=backend.name, strict=True)
     jf = thunder.jit(with_fragile_op, executors=[strict, _fragile, *thunder.get_default_executors()])
     x = torch.randn(16, device=backend.device)
     jf(x)
