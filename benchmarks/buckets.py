@@ -6,7 +6,8 @@ captured up front (``prepare``). Reported: the graphs the step kept, how far eac
 model's on the same B rows (unpadded), whether their greedy tokens agree, and per capture size the median time of a
 padded step (B below the size) against a step of exactly that size, both timed one call at a time in one loop.
 
-Run: ``python -m benchmarks.buckets [--steps 200]``. Without a GPU it runs a short loop on cudagraphex's CPU replay
+Run: ``python -m benchmarks.buckets [--steps 200] [--out DIR]`` (``--out`` appends the run, with its versions and
+command line, to ``DIR/<date>-<gpu>-buckets.md``). Without a GPU it runs a short loop on cudagraphex's CPU replay
 backend with a model of 1 layer of width 32 (the suite's tests).
 """
 
@@ -19,8 +20,11 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+from benchmarks.report import append_run
 
 __all__ = ["LoopResult", "run"]
 
@@ -108,8 +112,14 @@ def run(steps: int = 200, *, seed: int = 0, device: torch.device | None = None) 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.buckets", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="steps of a random batch size (default 200)")
+    parser.add_argument("--out", type=Path, help="also append the run to OUT/<date>-<gpu>-buckets.md")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    print(run(args.steps).table())
+    text = run(args.steps).table()
+    print(text)
+    if args.out is not None:
+        command = " ".join(["python -m benchmarks.buckets", *argv])
+        print(f"Appended to {append_run(args.out, 'buckets', 'cudagraphex: batch-size buckets', command, text)}")
     return 0
 
 

@@ -35,7 +35,6 @@ Run: ``python -m benchmarks.generate [--new-tokens 100] [--rounds 5] [--layers 1
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import statistics
 import sys
@@ -287,23 +286,12 @@ def table(rows: Sequence[Row]) -> str:
 
 
 def write_run(rows: Sequence[Row], argv: Sequence[str], out_dir: Path) -> Path:
-    """Appends this run (its start, code, versions, command line and table) to ``<out_dir>/<date>-<gpu>-generate.md``;
-    returns the file's path. Each run's ratios are to its own eager row."""
-    from benchmarks.report import commit, results_basename, versions
+    """Appends this run to ``<out_dir>/<date>-<gpu>-generate.md`` (see ``benchmarks.report.append_run``); each run's
+    ratios are to its own eager row."""
+    from benchmarks.report import append_run
 
-    now = datetime.datetime.now(datetime.timezone.utc)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    path = out_dir / f"{results_basename(now.date().isoformat(), gpu)}-generate.md"
-    head = "" if path.exists() else f"# cudagraphex: Hugging Face `generate`, {gpu}, {now.date().isoformat()}\n"
-    setup = ", ".join(f"{k} {v}" for k, v in versions().items())
-    text = (
-        f"{head}\n## Run of {now.isoformat(timespec='seconds')}, code {commit()[:12]}\n\n{setup}\n\n"
-        f"`python -m benchmarks.generate {' '.join(argv)}`\n\n{table(rows)}\n"
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(text)
-    return path
+    command = " ".join(["python -m benchmarks.generate", *argv])
+    return append_run(out_dir, "generate", "cudagraphex: Hugging Face `generate`", command, table(rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

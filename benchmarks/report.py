@@ -8,6 +8,7 @@ Times in the table are also shown as ratios to two references of the same worklo
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import platform
@@ -113,6 +114,24 @@ def commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def append_run(out_dir: Path, name: str, title: str, command: str, body: str) -> Path:
+    """Appends a run (its start, code, versions, ``command`` and ``body``) to ``<out_dir>/<date>-<gpu>-<name>.md``,
+    which starts with ``title`` when new; returns the file's path. For the benchmarks that print one table."""
+    import torch
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    path = out_dir / f"{results_basename(now.date().isoformat(), gpu)}-{name}.md"
+    head = "" if path.exists() else f"# {title}: {gpu}, {now.date().isoformat()}\n"
+    setup = ", ".join(f"{k} {v}" for k, v in versions().items())
+    run = f"## Run of {now.isoformat(timespec='seconds')}, code {commit()[:12]}"
+    text = f"{head}\n{run}\n\n{setup}\n\n`{command}`\n\n{body}\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(text)
+    return path
 
 
 def slug(text: str) -> str:

@@ -634,11 +634,17 @@ def test_the_llama_training_workload_agrees_with_eager_through_thunder_and_cudag
     assert "1 capture(s)" in records[("llama1b-4l-train", "train_step", "thunder+cudagraphex-step")].note
 
 
-def test_the_bucketed_serving_loop_keeps_one_graph_per_size_and_eagers_results():
-    from benchmarks.buckets import SIZES, run
+def test_the_bucketed_serving_loop_keeps_one_graph_per_size_and_eagers_results(tmp_path, capsys):
+    from benchmarks.buckets import SIZES, main
 
-    result = run(steps=6)
-    assert result.graphs == len(SIZES), result.table()
-    assert result.equal_tokens == result.steps, result.table()
-    assert result.max_abs_error < 1e-5, result.table()
-    assert result.times_us, result.table()
+    assert main(["--steps", "6", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    steps = 6 + 3 * len(SIZES)  # and 3 of each capture size, for the timing ratio
+    assert f"{steps} steps, {len(SIZES)} graph(s) for {len(SIZES)} capture sizes" in printed, printed
+    assert f"greedy tokens equal to eager's in {steps}/{steps} steps" in printed, printed
+    largest_error = float(printed.split("largest |logit - eager logit| ")[1].split()[0])
+    assert largest_error < 1e-5, printed
+    assert "| 8 |" in printed or "| 4 |" in printed, printed  # a padded size's timing row
+    (written,) = tmp_path.glob("*-buckets.md")
+    assert "`python -m benchmarks.buckets --steps 6 --out" in written.read_text()
+    assert printed.split("\n")[0] in written.read_text()
