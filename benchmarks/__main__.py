@@ -220,9 +220,9 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
     the file holds (this one; ``--merge`` adds the earlier ones that still hold one)."""
     import torch
 
-    options = suite.options
     from benchmarks.report import commit, versions
 
+    options = suite.options
     run = {
         "started": started,
         "cudagraphex_commit": commit(),
