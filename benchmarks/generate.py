@@ -145,6 +145,7 @@ def _stepped(forward: Callable, model: torch.nn.Module) -> Callable:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     import cudagraphex
+    from benchmarks.models import cache_state
 
     backend = {} if next(model.parameters()).is_cuda else {"backend": "emulate"}
     steps: dict[int, tuple[object, Callable]] = {}
@@ -158,10 +159,7 @@ def _stepped(forward: Callable, model: torch.nn.Module) -> Callable:
         cache = kwargs.get("past_key_values")
         cache_obj, step = steps.get(id(cache), (None, None))
         if cache_obj is not cache:
-            state = torch.nn.Module()
-            for i, layer in enumerate(getattr(cache, "layers", ())):
-                state.register_buffer(f"keys_{i}", layer.keys, persistent=False)
-                state.register_buffer(f"values_{i}", layer.values, persistent=False)
+            state = cache_state(getattr(cache, "layers", ()))
             step = cudagraphex.graph_step(logits, modules=[model, state], **backend)
             steps[id(cache)] = (cache, step)
         return CausalLMOutputWithPast(logits=step(**kwargs), past_key_values=cache)
