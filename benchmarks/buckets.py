@@ -118,8 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = run(args.steps).table()
     print(text)
     if args.out is not None:
-        command = " ".join(["python -m benchmarks.buckets", *argv])
-        print(f"Appended to {append_run(args.out, 'buckets', 'cudagraphex: batch-size buckets', command, text)}")
+        print(f"Appended to {append_run(args.out, 'buckets', 'cudagraphex: batch-size buckets', argv, text)}")
     return 0
 
 

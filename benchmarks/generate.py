@@ -288,8 +288,7 @@ def write_run(rows: Sequence[Row], argv: Sequence[str], out_dir: Path) -> Path:
     ratios are to its own eager row."""
     from benchmarks.report import append_run
 
-    command = " ".join(["python -m benchmarks.generate", *argv])
-    return append_run(out_dir, "generate", "cudagraphex: Hugging Face `generate`", command, table(rows))
+    return append_run(out_dir, "generate", "cudagraphex: Hugging Face `generate`", argv, table(rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

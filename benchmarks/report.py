@@ -116,9 +116,10 @@ def commit() -> str:
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
-def append_run(out_dir: Path, name: str, title: str, command: str, body: str) -> Path:
-    """Appends a run (its start, code, versions, ``command`` and ``body``) to ``<out_dir>/<date>-<gpu>-<name>.md``,
-    which starts with ``title`` when new; returns the file's path. For the benchmarks that print one table."""
+def append_run(out_dir: Path, name: str, title: str, argv: Sequence[str], body: str) -> Path:
+    """Appends a run of ``python -m benchmarks.<name> <argv>`` (its start, code, versions, command line and ``body``)
+    to ``<out_dir>/<date>-<gpu>-<name>.md``, which starts with ``title`` when new; returns the file's path. For the
+    benchmarks that print one table."""
     import torch
 
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -127,6 +128,7 @@ def append_run(out_dir: Path, name: str, title: str, command: str, body: str) ->
     head = "" if path.exists() else f"# {title}: {gpu}, {now.date().isoformat()}\n"
     setup = ", ".join(f"{k} {v}" for k, v in versions().items())
     run = f"## Run of {now.isoformat(timespec='seconds')}, code {commit()[:12]}"
+    command = " ".join([f"python -m benchmarks.{name}", *argv])
     text = f"{head}\n{run}\n\n{setup}\n\n`{command}`\n\n{body}\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
