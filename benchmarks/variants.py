@@ -446,7 +446,6 @@ class GraphStep(CompiledPerPhase):
 
         _only(mode, ("inference", "train_step"))
         fn = self.fn_for(mode)
-        params = _params(self.module)
         backend = {} if any(p.is_cuda for p in self.module.parameters()) else {"backend": "emulate"}
 
         def close() -> None:
@@ -461,6 +460,7 @@ class GraphStep(CompiledPerPhase):
 
             step = self.step = cudagraphex.graph_step(forward, modules=[self.module], **backend)
             return Case(lambda: step(*args), lambda: [_copy(step(*args))], close)
+        params = _params(self.module)
         opt = make_optimizer(params)
         start = _StepStart(params, opt)
         step = cudagraphex.graph_step(train_step(fn, opt, grad_out), modules=[self.module], optimizers=[opt], **backend)
