@@ -105,6 +105,8 @@ class GraphedRegion:
         self.copy_output = [False] * len(info.output_names)
         self.disabled_reason: str | None = None
         self.eager_calls: Counter[str] = Counter()
+        #: Calls that missed the fast path (they replayed another instance, captured one, or ran eagerly).
+        self.slow_path_calls = 0
         self.demoted: list[str] = []
         self._calls_per_key: Counter[tuple] = Counter()
         self._missed: Counter[tuple] = Counter()
@@ -131,6 +133,7 @@ class GraphedRegion:
     # -- the slow path ------------------------------------------------------------------------------------------------
 
     def _dispatch(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        self.slow_path_calls += 1
         if self.disabled_reason is not None:
             return self._eager(args, "capture failed")
         key = signature(args)
