@@ -3,7 +3,9 @@
 ``LlamaForCausalLM`` with Llama-3.2-1B's configuration (random weights, bf16, nothing downloaded), greedy
 ``model.generate(..., cache_implementation="static", max_new_tokens=100)`` at batch 1, with the model's forward
 replaced by a compiled one. Each variant is timed end to end (ms per ``generate``, tokens per second) in rounds, one
-``generate`` of every variant per round, and its generated tokens are compared with eager's.
+``generate`` of every variant per round. Its generated tokens are compared with eager's and, for a variant with graphs,
+with those of the same Thunder program without graphs (``WITHOUT_GRAPHS``) where that variant runs too: graphs must
+not change them.
 
 Variants:
 
@@ -14,6 +16,7 @@ Variants:
 * ``eager``: the model as it is, with that automatic compilation switched off (``disable_compile=True``), as it is for
   every variant below.
 * ``thunder``: ``thunder.jit(model.forward)``.
+* ``thunder+torchcompile``: with Thunder's torch.compile executor.
 * ``thunder+CUDAGraphTransform``: with Thunder's ``CUDAGraphTransform``.
 * ``thunder+cudagraphex``: cudagraphex first in the executors.
 * ``thunder+torchcompile+cudagraphex``: cudagraphex, then Thunder's torch.compile executor (the fused stack for a
@@ -51,6 +54,7 @@ VARIANTS = (
     "hf-reduce-overhead",
     "eager",
     "thunder",
+    "thunder+torchcompile",
     "thunder+CUDAGraphTransform",
     "thunder+cudagraphex",
     "thunder+torchcompile+cudagraphex",
@@ -72,6 +76,19 @@ class Row:
     error: str | None = None
     #: The step variants: their step graphs' captures and replays.
     note: str | None = None
+    #: How many of the generated tokens, from the first, equal those of the same Thunder program without graphs (None
+    #: where this variant has no such program or it did not run).
+    equal_without_graphs: int | None = None
+
+
+#: The Thunder program each graph variant runs, without graphs.
+WITHOUT_GRAPHS = {
+    "thunder+CUDAGraphTransform": "thunder",
+    "thunder+cudagraphex": "thunder",
+    "thunder+cudagraphex-step": "thunder",
+    "thunder+torchcompile+cudagraphex": "thunder+torchcompile",
+    "thunder+torchcompile+cudagraphex-step": "thunder+torchcompile",
+}
 
 
 def llama_1b_config(tiny: bool = False, layers: int | None = None):
@@ -126,6 +143,10 @@ def _forward_of(variant: str, model: torch.nn.Module, cudagraphex_executor) -> C
     defaults = list(thunder.get_default_executors())
     if variant == "thunder":
         return thunder.jit(model.forward)
+    if variant == "thunder+torchcompile":
+        from thunder.executors.torch_compile import torch_compile_ex
+
+        return thunder.jit(model.forward, executors=[torch_compile_ex, *defaults])
     if variant == "thunder+CUDAGraphTransform":
         from thunder.transforms.cudagraph import CUDAGraphTransform
 
@@ -251,7 +272,10 @@ def run(
     if "eager" not in generated:
         raise RuntimeError(f"eager generate failed: {rows['eager'].error}")
     for variant, tokens in generated.items():
-        rows[variant].equal_tokens = int((tokens == generated["eager"]).int().cumprod(0).sum())
+        rows[variant].equal_tokens = _equal_prefix(tokens, generated["eager"])
+        plain = generated.get(WITHOUT_GRAPHS.get(variant, ""))
+        if plain is not None:
+            rows[variant].equal_without_graphs = _equal_prefix(tokens, plain)
 
     for _ in range(rounds):
         for variant, forward in forwards.items():
@@ -266,18 +290,26 @@ def run(
     return [rows[v] for v in order if v in rows]
 
 
+def _equal_prefix(tokens: torch.Tensor, reference: torch.Tensor) -> int:
+    return int((tokens == reference).int().cumprod(0).sum())
+
+
 def table(rows: Sequence[Row]) -> str:
     eager = next((r.ms_per_generate for r in rows if r.variant == "eager"), None)
     lines = [
-        "| variant | ms per generate | tokens/s | x eager | tokens equal to eager's | setup s | error or note |",
-        "|---|---|---|---|---|---|---|",
+        (
+            "| variant | ms per generate | tokens/s | x eager | tokens equal to eager's | tokens equal without graphs"
+            " | setup s | error or note |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ms = "–" if r.ms_per_generate is None else f"{r.ms_per_generate:.1f}"
         rate = "–" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}"
         ratio = "–" if r.ms_per_generate is None or not eager else f"{r.ms_per_generate / eager:.2f}"
+        plain = "–" if r.equal_without_graphs is None else f"{r.equal_without_graphs}/{r.new_tokens}"
         lines.append(
-            f"| {r.variant} | {ms} | {rate} | {ratio} | {r.equal_tokens}/{r.new_tokens} | {r.setup_s:.1f} |"
+            f"| {r.variant} | {ms} | {rate} | {ratio} | {r.equal_tokens}/{r.new_tokens} | {plain} | {r.setup_s:.1f} |"
             f" {r.error or r.note or ''} |"
         )
     return "\n".join(lines)

@@ -595,6 +595,7 @@ def test_generate_gives_eagers_tokens_through_thunder_and_cudagraphex():
         assert r.error is None, table(rows)
         assert r.equal_tokens == 6, table(rows)
         assert r.ms_per_generate > 0
+    assert [r.equal_without_graphs for r in rows] == [None, None, 6, 6], table(rows)
     # 3 generates, each a prefill and 5 decode steps: each of the two is captured after 2 warm-up calls
     assert "2 capture(s)" in rows[-1].note and "not captured" not in rows[-1].note, table(rows)
 
@@ -614,7 +615,7 @@ def test_generate_appends_each_run_with_its_code_and_command(tmp_path, monkeypat
         "`python -m benchmarks.generate --layers 4`" in text
         and "`python -m benchmarks.generate --variants eager`" in text
     )
-    assert "| eager | 20.0 | 5.0 | 1.00 | 6/6 | 1.0 |  |" in text and "RuntimeError: boom" in text
+    assert "| eager | 20.0 | 5.0 | 1.00 | 6/6 | – | 1.0 |  |" in text and "RuntimeError: boom" in text
 
 
 def test_the_llama_training_workload_agrees_with_eager_through_thunder_and_cudagraphex(monkeypatch):
