@@ -143,19 +143,16 @@ def _forward_of(variant: str, model: torch.nn.Module, cudagraphex_executor) -> C
     defaults = list(thunder.get_default_executors())
     if variant == "thunder":
         return thunder.jit(model.forward)
-    if variant == "thunder+torchcompile":
-        from thunder.executors.torch_compile import torch_compile_ex
-
-        return thunder.jit(model.forward, executors=[torch_compile_ex, *defaults])
     if variant == "thunder+CUDAGraphTransform":
         from thunder.transforms.cudagraph import CUDAGraphTransform
 
         return thunder.jit(model.forward, transforms=[CUDAGraphTransform()])
-    if variant.startswith(("thunder+cudagraphex", "thunder+torchcompile+cudagraphex")):
+    if variant in VARIANTS and variant.startswith(("thunder+cudagraphex", "thunder+torchcompile")):
         from thunder.executors.torch_compile import torch_compile_ex
 
+        graphs = [cudagraphex_executor] if "cudagraphex" in variant else []
         fusers = [torch_compile_ex] if "torchcompile" in variant else []
-        jitted = thunder.jit(model.forward, executors=[cudagraphex_executor, *fusers, *defaults])
+        jitted = thunder.jit(model.forward, executors=[*graphs, *fusers, *defaults])
         return _stepped(jitted, model) if variant.endswith("-step") else jitted
     raise ValueError(f"unknown variant {variant!r}; the variants: {', '.join(VARIANTS)}")
 
