@@ -216,8 +216,8 @@ def _failure_summary(unexpected: Sequence[Any], expected: int) -> str:
 
 
 def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_s: float) -> dict[str, Any]:
-    """The results file's ``meta``: the machine, the definitions, and ``runs``, one entry per invocation whose records
-    the file holds (this one; ``--merge`` adds the earlier ones that still hold one)."""
+    """The results file's ``meta``: the machine, where the fields are defined, and ``runs``, one entry per invocation
+    whose records the file holds (this one; ``--merge`` adds the earlier ones that still hold one)."""
     import torch
 
     from benchmarks.report import commit, versions
@@ -249,19 +249,7 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
         "cuda": torch.version.cuda,
         "runs": [run],
         "host_breakdown": suite.host_breakdown,
-        "definitions": {
-            "median_us": "median over repetitions of the wall time per call, CUDA-synchronized blocks of calls",
-            "setup_s": "wall time of making the case and its first 3 calls (compilation, warm-up, capture); the "
-            "compiled object is reused across modes, in the order inference, train_fwd, train_bwd, train_step",
-            "peak_mem_bytes": "torch.cuda.max_memory_allocated over the mode's setup and 3 more calls, minus the "
-            "memory allocated before the variant built its model (includes what it keeps from earlier modes)",
-            "peak_reserved_bytes": "the same for torch.cuda.max_memory_reserved (graph pools keep freed blocks there)",
-            "correct": "outputs (and gradients in train_bwd; in train_step, the loss, AdamW's first moments and the "
-            "loss after one step from the case's start) within tolerance of eager: relative error (Frobenius) <= 1e-3 "
-            "in fp32, 5e-2 in bf16",
-            "kernel-floor": "GPU time (kernels, memcpy, memset) of the eager call from torch.profiler, per call",
-            "run": "the start time of the run (an entry of meta.runs) that measured the record",
-        },
+        "definitions": "benchmarks/README.md, What is measured",
     }
 
 

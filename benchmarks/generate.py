@@ -50,8 +50,10 @@ import torch
 
 __all__ = ["VARIANTS", "Row", "llama_1b_config", "run"]
 
+#: Hugging Face's own compilation: built and timed before any other variant, never run again (module docstring).
+HF_RECIPE = "hf-reduce-overhead"
 VARIANTS = (
-    "hf-reduce-overhead",
+    HF_RECIPE,
     "eager",
     "thunder",
     "thunder+torchcompile",
@@ -136,23 +138,14 @@ def llama_1b_config(tiny: bool = False, layers: int | None = None):
 
 def _forward_of(variant: str, model: torch.nn.Module, cudagraphex_executor) -> Callable:
     """The forward ``variant`` gives ``model`` (the model's own for eager and Hugging Face's recipe)."""
-    if variant in ("eager", "hf-reduce-overhead"):
+    if variant in ("eager", HF_RECIPE):
         return model.forward
-    import thunder
+    if variant in VARIANTS:
+        import thunder
 
-    defaults = list(thunder.get_default_executors())
-    if variant == "thunder":
-        return thunder.jit(model.forward)
-    if variant == "thunder+CUDAGraphTransform":
-        from thunder.transforms.cudagraph import CUDAGraphTransform
+        from benchmarks.variants import thunder_options
 
-        return thunder.jit(model.forward, transforms=[CUDAGraphTransform()])
-    if variant in VARIANTS and variant.startswith(("thunder+cudagraphex", "thunder+torchcompile")):
-        from thunder.executors.torch_compile import torch_compile_ex
-
-        graphs = [cudagraphex_executor] if "cudagraphex" in variant else []
-        fusers = [torch_compile_ex] if "torchcompile" in variant else []
-        jitted = thunder.jit(model.forward, executors=[*graphs, *fusers, *defaults])
+        jitted = thunder.jit(model.forward, **thunder_options(variant.removesuffix("-step"), cudagraphex_executor))
         return _stepped(jitted, model) if variant.endswith("-step") else jitted
     raise ValueError(f"unknown variant {variant!r}; the variants: {', '.join(VARIANTS)}")
 
@@ -209,6 +202,7 @@ def run(
     """
     from transformers import LlamaForCausalLM
 
+    from benchmarks.report import short_error
     from benchmarks.suite import emulated_executor
     from cudagraphex import cudagraphex
 
@@ -230,7 +224,7 @@ def run(
     def generate(variant: str, forward: Callable) -> torch.Tensor:
         model.forward = forward
         try:
-            return model.generate(prompt, disable_compile=variant != "hf-reduce-overhead", **options)[0, prompt_tokens:]
+            return model.generate(prompt, disable_compile=variant != HF_RECIPE, **options)[0, prompt_tokens:]
         finally:
             model.forward = own_forward
 
@@ -255,7 +249,7 @@ def run(
             generated[variant] = generate(variant, forward)
             sync()
         except Exception as e:  # noqa: BLE001 - recorded; the other variants go on
-            error = f"{type(e).__name__}: {e}".splitlines()[0]
+            error = short_error(e)
             rows[variant] = Row(variant, None, None, 0, new_tokens, time.perf_counter() - start, error)
             log(f"{variant}: failed: {error}")
             continue
@@ -263,7 +257,7 @@ def run(
         rows[variant] = Row(variant, None, None, 0, new_tokens, time.perf_counter() - start)
         log(f"{variant}: set up in {rows[variant].setup_s:.1f} s")
         times[variant] = []
-        if variant == "hf-reduce-overhead":  # timed now, never run again (module docstring)
+        if variant == HF_RECIPE:  # timed now, never run again
             for _ in range(rounds):
                 time_one(variant, forward, times[variant])
     if "eager" not in generated:
@@ -276,7 +270,7 @@ def run(
 
     for _ in range(rounds):
         for variant, forward in forwards.items():
-            if variant != "hf-reduce-overhead":
+            if variant != HF_RECIPE:
                 time_one(variant, forward, times[variant])
     for variant, samples in times.items():
         ms = statistics.median(samples) * 1e3

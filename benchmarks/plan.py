@@ -8,7 +8,6 @@ Workloads are reduced in size, since Thunder's tracing takes seconds per layer o
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable, Sequence
 
@@ -34,15 +33,10 @@ def show_plan(workloads: Sequence[str], modes: Sequence[str], out: Callable[[str
     needs ``transformers`` is skipped when it is not installed; a workload that fails prints its whole traceback.
     Never raises for a workload's failure.
     """
-    executor = _plan_executor()
-    device = torch.device("cpu")
-    thresholds = gc.get_threshold()
-    # Thunder's tracing allocates millions of short-lived objects; collecting rarely makes it noticeably faster.
-    gc.set_threshold(max(thresholds[0], 100_000), *thresholds[1:])
-    try:
-        return _show(workloads, modes, out, executor, device)
-    finally:
-        gc.set_threshold(*thresholds)
+    from benchmarks.suite import rare_gc
+
+    with rare_gc():
+        return _show(workloads, modes, out, _plan_executor(), torch.device("cpu"))
 
 
 def _show(

@@ -73,6 +73,7 @@ __all__ = [
     "expected_failure",
     "free_memory",
     "prepare",
+    "rare_gc",
     "time_per_call_us",
 ]
 
@@ -487,7 +488,7 @@ class Suite:
                 warnings.simplefilter("always")
                 self._sync()
                 start = time.perf_counter()
-                with _rare_gc():
+                with rare_gc():
                     case = compiled.case(mode, setup.args(mode), prepared.grad_out)
                     for _ in range(SETUP_CALLS):
                         case.call()
@@ -645,7 +646,7 @@ class _MemoryBase:
 
 
 @contextlib.contextmanager
-def _rare_gc():
+def rare_gc():
     """Collects garbage rarely while compiling: Thunder's tracing allocates millions of short-lived objects and the
     default thresholds make the collector a sizeable part of compile time. Timing runs with the default thresholds,
     so that garbage cycles holding GPU memory are freed as usual."""

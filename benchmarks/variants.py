@@ -68,6 +68,7 @@ __all__ = [
     "make_optimizer",
     "make_variant",
     "module_case",
+    "thunder_options",
     "train_step",
     "variant_modes",
 ]
@@ -323,8 +324,9 @@ class CompiledPerPhase(Compiled):
         return super().case(mode, args, grad_out)
 
 
-def _thunder_options(name: str, graph_executor) -> dict:
-    """The options of ``thunder.jit`` for Thunder variant ``name`` (new transform objects on every call)."""
+def thunder_options(name: str, graph_executor) -> dict:
+    """The options of ``thunder.jit`` for Thunder variant ``name``, without its ``-step`` or ``+wholestep(unsafe)``
+    suffix (new transform objects on every call). ``+torchcompile`` adds Thunder's torch.compile executor."""
     import thunder
 
     defaults = list(thunder.get_default_executors())
@@ -343,10 +345,11 @@ def _thunder_options(name: str, graph_executor) -> dict:
         from cudagraphex import PruneParameterChecks
 
         return {"executors": [graph_executor, *defaults], "transforms": [PruneParameterChecks()]}
-    if name == "thunder+torchcompile+cudagraphex":
+    if name in ("thunder+torchcompile", "thunder+torchcompile+cudagraphex"):
         from thunder.executors.torch_compile import torch_compile_ex
 
-        return {"executors": [graph_executor, torch_compile_ex, *defaults]}
+        graphs = [graph_executor] if name.endswith("+cudagraphex") else []
+        return {"executors": [*graphs, torch_compile_ex, *defaults]}
     raise ValueError(f"variant {name!r} is not a Thunder variant")
 
 
@@ -360,17 +363,14 @@ def compile_variant(name: str, module: nn.Module, graph_executor) -> Compiled:
 
     if name == "eager":
         return Compiled(module, module)
-    if name == "thunder+wholestep(unsafe)":
-        return WholeStep(module, thunder.jit(module))
-    if name == "thunder+torchcompile+wholestep(unsafe)":
-        from thunder.executors.torch_compile import torch_compile_ex
-
-        return WholeStep(module, thunder.jit(module, executors=[torch_compile_ex, *thunder.get_default_executors()]))
+    if name.endswith("+wholestep(unsafe)"):
+        options = thunder_options(name.removesuffix("+wholestep(unsafe)"), graph_executor)
+        return WholeStep(module, thunder.jit(module, **options))
     if name in STEP_VARIANTS:
-        options = _thunder_options(name.removesuffix("-step"), graph_executor)
+        options = thunder_options(name.removesuffix("-step"), graph_executor)
         return GraphStep(module, lambda m: thunder.jit(m, **options))
     if name.startswith("thunder"):
-        return CompiledPerPhase(module, lambda m: thunder.jit(m, **_thunder_options(name, graph_executor)))
+        return CompiledPerPhase(module, lambda m: thunder.jit(m, **thunder_options(name, graph_executor)))
     if name == "torch.compile":
         return Compiled(module, torch.compile(module))
     if name == "torch.compile(reduce-overhead)":
