@@ -48,16 +48,18 @@ def _optimizer(params, backend, adam=True):
 class _Pair:
     """A model trained through ``graph_step`` and its twin trained by plain Thunder, with one step function each."""
 
-    def __init__(self, backend, make_model=None, pattern="zero_first", adam=True, optimizer=None, **options):
+    def __init__(
+        self, backend, make_model=None, pattern="zero_first", adam=True, optimizer=None, listed=True, **options
+    ):
         self.backend = backend
         model = (make_model or (lambda: mlp(2, 16)))().to(backend.device)
         self.models = [model, twin(model)]
         self.compiled = [jit(self.models[0], backend.executor), thunder.jit(self.models[1])]
         self.opts = [(optimizer or _optimizer)(m.parameters(), backend, adam) for m in self.models]
         self.steps = [self._step_fn(i, pattern) for i in range(2)]
-        self.step = graph_step(
-            self.steps[0], modules=[self.models[0]], optimizers=[self.opts[0]], backend=backend.name, **options
-        )
+        # ``listed=False`` passes the one module and the one optimizer as they are.
+        modules, optimizers = ([self.models[0]], [self.opts[0]]) if listed else (self.models[0], self.opts[0])
+        self.step = graph_step(self.steps[0], modules=modules, optimizers=optimizers, backend=backend.name, **options)
 
     def _step_fn(self, i, pattern):
         model, opt = self.compiled[i], self.opts[i]
@@ -421,7 +423,15 @@ def _add_a_param_group(pair):
     ],
 )
 def test_a_change_of_state_between_steps_is_seen(backend, change):
-    pair = _Pair(backend)
+    _check_a_change_is_seen(_Pair(backend), change)
+
+
+@pytest.mark.parametrize("change", [_replace_a_parameter, _halve_the_learning_rate, _add_a_param_group])
+def test_one_module_and_one_optimizer_are_guarded_without_a_list(backend, change):
+    _check_a_change_is_seen(_Pair(backend, listed=False), change)
+
+
+def _check_a_change_is_seen(pair, change):
     batches = [pair.batch() for _ in range(12)]
     for i in range(6):
         pair.call(*batches[i], seed=i)
@@ -676,6 +686,10 @@ def test_bad_options_raise():
         graph_step(lambda: None, modules=[object()])
     with pytest.raises(TypeError, match="optimizers"):
         graph_step(lambda: None, optimizers=[object()])
+    with pytest.raises(TypeError, match="modules must be a Module or an iterable of them, got int"):
+        graph_step(lambda: None, modules=3)
+    with pytest.raises(ValueError, match="capture_sizes must be a non-empty list of positive ints, got 4"):
+        graph_step(lambda: None, capture_sizes=4)
     with pytest.raises(ValueError, match="max_graphs"):
         graph_step(lambda: None, max_graphs=0)
     with pytest.raises(ValueError, match="warmup_calls"):

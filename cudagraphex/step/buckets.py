@@ -18,7 +18,7 @@ What a padded replay reads and hands out
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ def validated_sizes(sizes: Sequence[int] | None) -> tuple[int, ...]:
     """``capture_sizes`` sorted; raises ValueError unless they are distinct positive ints."""
     if sizes is None:
         return ()
-    values = list(sizes)
+    values = list(sizes) if isinstance(sizes, Iterable) and not isinstance(sizes, str) else []
     if not values or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in values):
         raise ValueError(f"capture_sizes must be a non-empty list of positive ints, got {sizes!r}")
     if len(set(values)) != len(values):

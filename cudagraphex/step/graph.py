@@ -118,8 +118,8 @@ class StepGraph:
     def __init__(
         self,
         fn: Callable,
-        modules: Iterable[torch.nn.Module],
-        optimizers: Iterable[torch.optim.Optimizer],
+        modules: torch.nn.Module | Iterable[torch.nn.Module],
+        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
         *,
         warmup_calls: int,
         max_graphs: int | None,
@@ -131,14 +131,8 @@ class StepGraph:
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
-        self.modules = list(modules)
-        self.optimizers = list(optimizers)
-        for m in self.modules:
-            if not isinstance(m, torch.nn.Module):
-                raise TypeError(f"modules must be torch.nn.Module objects, got {type(m).__name__}")
-        for o in self.optimizers:
-            if not isinstance(o, torch.optim.Optimizer):
-                raise TypeError(f"optimizers must be torch.optim.Optimizer objects, got {type(o).__name__}")
+        self.modules = _listed("modules", modules, torch.nn.Module)
+        self.optimizers = _listed("optimizers", optimizers, torch.optim.Optimizer)
         self.capture_sizes = buckets.validated_sizes(capture_sizes)
         if max_graphs is None:
             max_graphs = max(4, len(self.capture_sizes))
@@ -453,11 +447,25 @@ class StepGraph:
         return None if moved else graph, handed_out(graph.outputs, graph.out_spec), None
 
 
+def _listed(name: str, value: object, kind: type) -> list:
+    """``value``, one ``kind`` object or an iterable of them, as a list; raises TypeError for anything else. One
+    module is taken whole, not as its children (an ``nn.Sequential`` is iterable too)."""
+    if isinstance(value, kind):
+        return [value]
+    if not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a {kind.__qualname__} or an iterable of them, got {type(value).__name__}")
+    items = list(value)
+    for item in items:
+        if not isinstance(item, kind):
+            raise TypeError(f"{name} must be {kind.__qualname__} objects, got {type(item).__name__}")
+    return items
+
+
 def graph_step(
     fn: Callable,
     *,
-    modules: Iterable[torch.nn.Module] = (),
-    optimizers: Iterable[torch.optim.Optimizer] = (),
+    modules: torch.nn.Module | Iterable[torch.nn.Module] = (),
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] = (),
     warmup_calls: int = 2,
     max_graphs: int | None = None,
     strict: bool = False,
@@ -474,8 +482,8 @@ def graph_step(
 
     Args:
         fn: the step, called with the step's arguments (tensors are copied into the graph's buffers).
-        modules: modules whose parameters and buffers the step reads or writes.
-        optimizers: optimizers the step steps; use ``capturable=True`` (``foreach`` or ``fused``).
+        modules: a module, or modules, whose parameters and buffers the step reads or writes.
+        optimizers: an optimizer, or optimizers, the step steps; use ``capturable=True`` (``foreach`` or ``fused``).
         warmup_calls: calls per input signature before a capture (the last one also checks for host work).
         max_graphs: captures in all; past it the step runs ``fn`` as is (default 4, or the number of
             ``capture_sizes`` where that is more).
@@ -487,7 +495,7 @@ def graph_step(
             capture every size up front.
 
     Raises:
-        TypeError: for an ``fn`` that is not callable, or a module or optimizer of the wrong type.
+        TypeError: for an ``fn`` that is not callable, or ``modules`` or ``optimizers`` of the wrong type.
         ValueError: for an invalid option; with ``capture_sizes``, at a call whose tensor arguments disagree on their
             number of rows.
     """
