@@ -1,0 +1,45 @@
+"""Differential fuzzing of cudagraphex against Thunder without graphs.
+
+``generate(seed)`` builds a small random program and a call pattern from a seeded ``random.Random``: a module (or a
+function) whose body draws from a pool of ops (elementwise, matmul, reductions, views, in-place writes into inputs,
+buffers and intermediates, ``index_copy_``, dropout and ``randn``-style ops, ``.item()``, scalar tensors, sdpa,
+layer norm, embedding), and a list of steps (calls in several input signatures, grad modes and train/eval modes, held,
+dropped and written outputs, writes into inputs after a call, backwards now, later, out of order or twice with
+``retain_graph``). ``check(program, backend)`` compiles it twice, with cudagraphex (first or last in the executors
+list, ``min_region_size`` 1 or 2, both chosen from the seed) and with plain ``thunder.jit`` (the reference), runs both
+in lock-step and compares after every step what a caller can observe: outputs, their metadata and which tensors share
+memory, values of inputs, parameters and buffers, gradients, held outputs, and exception types.
+
+On the CPU replay backend (``"emulate"``) everything is compared exactly: both runs start every step from the same
+``torch.manual_seed``, and the replay backend draws what Thunder draws. On ``"cuda"`` RNG-free programs are compared
+within a tolerance and programs with random ops statistically (zero fraction, mean and spread; larger tensors there).
+
+``python -m tests.fuzzing --backend emulate --count 2000 --start 0`` runs a batch and prints each failure (seed,
+program, call pattern, error) and a summary; ``--show SEED`` prints one program; ``--shrink`` reduces each failing
+program to a smaller one with the same symptom.
+"""
+
+from tests.fuzzing.batch import BatchResult, run_batch
+from tests.fuzzing.compare import Failure
+from tests.fuzzing.generate import generate
+from tests.fuzzing.programs import Line, Mode, Program, Step, TensorSpec
+from tests.fuzzing.runner import Outcome, check
+from tests.fuzzing.shrink import shrink
+from tests.helpers import install_cuda_device_guard
+
+install_cuda_device_guard()  # thread programs compile in threads
+
+__all__ = [
+    "BatchResult",
+    "Failure",
+    "Line",
+    "Mode",
+    "Outcome",
+    "Program",
+    "Step",
+    "TensorSpec",
+    "check",
+    "generate",
+    "run_batch",
+    "shrink",
+]

@@ -1,0 +1,48 @@
+"""``python -m tests.fuzzing``: see :mod:`tests.fuzzing`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import torch
+
+import tests.fuzzing
+from tests.fuzzing.batch import run_batch
+from tests.fuzzing.compare import Failure
+from tests.fuzzing.generate import generate
+from tests.fuzzing.shrink import shrink
+from tests.fuzzing.world import BACKENDS
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.fuzzing", description=tests.fuzzing.__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="emulate")
+    parser.add_argument("--count", type=int, default=200)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--seed", type=int, action="append", help="check these seeds (repeatable) instead")
+    parser.add_argument("--workers", type=int, default=1, help="processes (CPU replay backend only)")
+    parser.add_argument("--show", type=int, metavar="SEED", help="print the program of this seed and exit")
+    parser.add_argument("--shrink", action="store_true", help="shrink each failing program before printing it")
+    parser.add_argument("--brief", action="store_true", help="one line per failure, without the program")
+    args = parser.parse_args(argv)
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        parser.error("--backend cuda needs a CUDA GPU")
+    if args.show is not None:
+        print(generate(args.show).describe())
+        return 0
+    seeds = args.seed or range(args.start, args.start + args.count)
+
+    def on_failure(f: Failure) -> None:
+        if args.shrink:
+            f = shrink(f, args.backend)
+        print(f.report(full=not args.brief), flush=True)
+
+    result = run_batch(seeds, args.backend, args.workers, on_failure)
+    print(result.summary())
+    return 1 if result.counted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

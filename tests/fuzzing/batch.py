@@ -1,0 +1,101 @@
+"""Checks programs in batches, in forked processes where allowed, and sums up their outcomes."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import multiprocessing
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from tests.fuzzing.compare import Failure
+from tests.fuzzing.generate import generate
+from tests.fuzzing.programs import Program
+from tests.fuzzing.runner import Outcome, check
+
+
+@dataclass
+class BatchResult:
+    programs: int = 0
+    calls: int = 0
+    compilations: int = 0
+    seconds: float = 0.0
+    failures: list[Failure] = field(default_factory=list)  # excused ones included
+    raised_in_both: dict[str, list[int]] = field(default_factory=dict)
+    ops: Counter = field(default_factory=Counter)
+
+    @property
+    def counted(self) -> list[Failure]:
+        return [f for f in self.failures if not f.excused]
+
+    def add(self, program: Program, outcome: Outcome) -> None:
+        self.programs += 1
+        self.calls += outcome.calls
+        self.compilations += outcome.compilations
+        self.failures += outcome.failures
+        for what in outcome.raised_in_both:
+            self.raised_in_both.setdefault(what, []).append(program.seed)
+        self.ops.update(set(program.categories))
+
+    def summary(self) -> str:
+        excused = len(self.failures) - len(self.counted)
+        head = f"{self.programs} programs, {self.calls} calls, {self.compilations} compilations"
+        head += f", {len(self.counted)} failing"
+        lines = [f"{head} (+{excused} where plain Thunder is the one that differs), {self.seconds:.1f} s"]
+        for title, failures in (("failures", self.counted), ("plain Thunder differs", self.failures)):
+            if title != "failures":
+                failures = [f for f in failures if f.excused]
+            if failures:
+                lines.append(f"{title} by symptom:")
+            for symptom, n in Counter(f.symptom for f in failures).most_common():
+                seeds = [f.seed for f in failures if f.symptom == symptom][:10]
+                lines.append(f"  {n:4d}  {symptom}  (seeds {' '.join(map(str, seeds))})")
+        if self.raised_in_both:
+            lines.append("raised in both (programs that Thunder itself rejects, or legitimate errors):")
+            for what, seeds in sorted(self.raised_in_both.items(), key=lambda kv: -len(kv[1]))[:10]:
+                lines.append(f"  {len(seeds):4d}  {what}  (seeds {' '.join(map(str, seeds[:6]))})")
+        lines.append("programs using each op: " + ", ".join(f"{k} {v}" for k, v in sorted(self.ops.items())))
+        return "\n".join(lines)
+
+
+def _check_seed(args: tuple[int, str]) -> tuple[Program, Outcome]:
+    seed, backend = args
+    program = generate(seed)
+    return program, check(program, backend)
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+
+
+def run_batch(seeds: Iterable[int], backend: str = "emulate", workers: int = 1, on_failure=None) -> BatchResult:
+    """Generates and checks one program per seed. ``workers`` > 1 forks that many processes (CPU replay backend
+    only, and only while CUDA is not initialised in this process)."""
+    result = BatchResult()
+    start = time.perf_counter()
+    tasks = [(seed, backend) for seed in seeds]
+    parallel = workers > 1 and backend == "emulate" and not torch.cuda.is_initialized()
+    with contextlib.ExitStack() as stack:
+        if parallel:
+            pool = stack.enter_context(
+                ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_worker_init)
+            )
+            results = pool.map(_check_seed, tasks)
+        else:
+            results = map(_check_seed, tasks)
+        for n, (program, outcome) in enumerate(results, 1):
+            result.add(program, outcome)
+            for f in outcome.failures:
+                if on_failure is not None:
+                    on_failure(f)
+            if not parallel and n % 25 == 0:
+                gc.collect()
+    result.seconds = time.perf_counter() - start
+    return result

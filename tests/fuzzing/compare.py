@@ -1,0 +1,176 @@
+"""Compares what two runs of one program let a caller observe, step by step."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tests.fuzzing.programs import Program
+from tests.fuzzing.world import BackendSpec, Observations, TensorSnapshot
+
+
+@dataclass
+class Failure:
+    seed: int
+    step: int
+    label: str
+    detail: str
+    symptom: str  # a grouping key: what went wrong, with names and numbers taken out
+    program: Program = field(repr=False)
+    #: Set when plain Thunder is the one that differs (see :func:`tests.fuzzing.runner._triage`): reported, not counted as a failure.
+    excused: str = ""
+    #: Values that differ only within a tolerance: excused only where eager agrees with cudagraphex exactly.
+    nearly_equal: bool = False
+
+    def report(self, full: bool = True) -> str:
+        tag = f"NOTE (not counted: {self.excused})" if self.excused else "FAIL"
+        text = f"{tag} seed={self.seed} step {self.step} [{self.symptom}]\n  {self.label}: {self.detail}"
+        if full:
+            text += "\n" + _indent(self.program.describe())
+        return text
+
+
+def _indent(text: str, by: str = "  ") -> str:
+    return "\n".join(by + line for line in text.splitlines())
+
+
+def normalise(message: str) -> str:
+    message = message.splitlines()[0] if message else ""
+    message = re.sub(r"\[[^\]]*\]", "[...]", message)
+    message = re.sub(r"'[^']*'", "'...'", message)
+    message = re.sub(r"\b(t|v|x|s|c|w|p|b|m|h|i|k|e|g)\d+\b", "N", message)
+    message = re.sub(r"\d+", "N", message)
+    return message[:120]
+
+
+def _label_kind(label: str) -> str:
+    label = re.sub(r"\bc\d+\b", "cN", label)
+    label = re.sub(r"\[\d+\]", "[i]", label)
+    label = re.sub(r"out\d+", "outN", label)
+    label = re.sub(r"(input|state|grad of cN|grad of state) \w+", r"\1 NAME", label)
+    return label
+
+
+_META_KEYS = ("shape", "dtype", "stride", "device", "requires_grad", "is_leaf")
+
+
+def compare_value(a: Any, b: Any, mode: str, values_only: bool = False) -> str | None:
+    """None when ``a`` (reference) and ``b`` (cudagraphex) agree; mode is exact, close, stats or meta. With
+    ``values_only`` a tensor's metadata is not compared."""
+    if isinstance(a, TensorSnapshot) != isinstance(b, TensorSnapshot):
+        return f"reference {_short(a)}, cudagraphex {_short(b)}"
+    if not isinstance(a, TensorSnapshot):
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b)):
+                diff = compare_value(x, y, mode, values_only)
+                if diff:
+                    return f"[{i}] {diff}"
+            return None
+        if isinstance(a, float) and isinstance(b, float) and mode != "exact":
+            if mode in ("meta", "stats") or abs(a - b) <= 1e-4 * max(1.0, abs(a)):
+                return None
+            return f"reference {a}, cudagraphex {b}"
+        return None if a == b else f"reference {a!r}, cudagraphex {b!r}"
+    for key in () if values_only else _META_KEYS:
+        if a.meta[key] != b.meta[key]:
+            return f"{key}: reference {a.meta[key]}, cudagraphex {b.meta[key]}"
+    x, y = a.value, b.value
+    if mode == "meta":
+        return None
+    if mode == "exact":
+        if torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(0.0), y.nan_to_num(0.0)):
+            return None
+    elif mode == "close":
+        if not x.is_floating_point():
+            if torch.equal(x, y):
+                return None
+        elif torch.allclose(x, y, rtol=1e-4, atol=1e-5, equal_nan=True):
+            return None
+    else:
+        return _compare_stats(x, y)
+    return f"values differ: {_diff(x, y)}"
+
+
+def _compare_stats(x: torch.Tensor, y: torch.Tensor) -> str | None:
+    """Random programs on CUDA: the same number of finite elements, and close zero fraction (dropout's keep rate),
+    mean and spread. Tensors under 256 elements are compared by their metadata only."""
+    if not x.is_floating_point():
+        return None
+    xf, yf = x.double().flatten(), y.double().flatten()
+    fx, fy = int(xf.isfinite().sum()), int(yf.isfinite().sum())
+    if fx != fy:
+        return f"finite elements: reference {fx}, cudagraphex {fy}"
+    xf, yf = xf[xf.isfinite()], yf[yf.isfinite()]
+    n = xf.numel()
+    if n < 256:
+        return None
+    zx, zy = float((xf == 0).double().mean()), float((yf == 0).double().mean())
+    if abs(zx - zy) > 0.05 + 4 * (0.25 / n) ** 0.5:
+        return f"zero fraction: reference {zx:.3f}, cudagraphex {zy:.3f}"
+    sx, sy = float(xf.std()), float(yf.std())
+    mx, my = float(xf.mean()), float(yf.mean())
+    if abs(mx - my) > 0.25 * max(sx, sy) + 1e-5:
+        return f"mean: reference {mx:.4g}, cudagraphex {my:.4g} (std {sx:.4g}/{sy:.4g})"
+    if not (0.6 <= (sx + 1e-9) / (sy + 1e-9) <= 1.6):
+        return f"std: reference {sx:.4g}, cudagraphex {sy:.4g}"
+    return None
+
+
+def _diff(x: torch.Tensor, y: torch.Tensor) -> str:
+    try:
+        d = (x.double() - y.double()).abs().nan_to_num(float("inf"))
+        return f"max abs diff {float(d.max()):.3g} at flat index {int(d.argmax())} of {x.numel()}"
+    except Exception:  # noqa: BLE001 - a description only
+        return "(not comparable)"
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, TensorSnapshot):
+        return f"tensor{list(v.meta['shape'])}"
+    return repr(v)[:60]
+
+
+def value_mode(label: str, mode: str) -> str:
+    return "exact" if label in ("identity", "shared memory") or "equals the previous" in label else mode
+
+
+def compare_step(program: Program, backend: BackendSpec, index: int, ref: Observations, got: Observations):
+    mode = backend.compare
+    if mode == "close" and program.random:
+        mode = "stats"
+    for (label, a), (label_b, b) in zip(ref.items, got.items):
+        if label != label_b:
+            detail = f"observed {label_b!r} instead"
+            return Failure(program.seed, index, label, detail, f"{_label_kind(label)}: other observations", program)
+        diff = compare_value(a, b, value_mode(label, mode))
+        if diff:
+            what = diff.split(":")[0] if diff.startswith(_META_KEYS) else "values"
+            nearly = what == "values" and mode == "exact" and compare_value(a, b, "close") is None
+            if nearly:
+                what = "values (within a tolerance)"
+            return Failure(
+                program.seed, index, label, diff, f"{_label_kind(label)}: {what}", program, nearly_equal=nearly
+            )
+    if (ref.raised is None) != (got.raised is None) or (
+        ref.raised is not None and type(ref.raised) is not type(got.raised)
+    ):
+        if got.raised is not None:
+            e = got.raised
+            message = f"{type(e).__name__}: {normalise(str(e))}"
+            if ref.raised is None:
+                symptom = f"raises only with cudagraphex: {message}"
+            else:
+                symptom = f"reference raises {type(ref.raised).__name__}, cudagraphex {message}"
+            detail = f"{type(e).__name__}: {str(e)[:400]}\n{_indent(got.where, '    ')}"
+        else:
+            e = ref.raised
+            symptom = f"raises only without cudagraphex: {type(e).__name__}: {normalise(str(e))}"
+            detail = f"{type(e).__name__}: {str(e)[:400]}"
+        return Failure(program.seed, index, "exception", detail, symptom, program)
+    if len(ref.items) != len(got.items) and ref.raised is None:
+        detail = f"{len(ref.items)} observations against {len(got.items)}"
+        return Failure(program.seed, index, "observations", detail, "other observations", program)
+    return None

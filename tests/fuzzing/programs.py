@@ -1,0 +1,186 @@
+"""The programs the fuzzer generates: tensors, lines of code, call steps and modes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Symbolic shapes of values: batch x width, width, batch x 1, 0-d, cache rows x width, width x width, vocab x width,
+#: and the two integer kinds (distinct row indices into a cache, token ids).
+FLOAT_KINDS = ("BD", "D", "B1", "S")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """An input or a parameter/buffer of a program."""
+
+    name: str
+    kind: str  # BD, D, S, ND, DD, VD, I (index into ND rows), T (token ids)
+    role: str  # "x" (data input), "state" (input written in place), "index", "tokens", "scalar"; "param", "buffer"
+    requires_grad: bool = False
+    persistent: bool = False  # an input: the same tensor on every call with the same signature
+    init: str = ""  # a parameter or buffer: its initialiser, in terms of d, n and vocab
+
+    @property
+    def is_float(self) -> bool:
+        return self.kind not in ("I", "T")
+
+
+@dataclass(frozen=True)
+class Line:
+    """One statement of the program body."""
+
+    text: str  # may span lines; parameters and buffers are written ``self.name``
+    defines: str | None  # the value it assigns, if any
+    uses: frozenset[str]
+    effect: bool  # writes in place or draws random numbers
+    category: str
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What decides a Thunder cache entry: batch size (an index into ``Program.batches``), dtype, grad, training."""
+
+    batch: int = 0
+    dtype: str = "float32"
+    grad: bool = True
+    training: bool = True
+
+    def describe(self) -> str:
+        return f"B#{self.batch} {self.dtype} {'grad' if self.grad else 'no_grad'}{'' if self.training else ' eval'}"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the call pattern, applied to both compiled functions."""
+
+    action: str  # call | backward | write_input | write_output | zero_grad | train | eval | dtype
+    mode: Mode | None = None
+    layout: str = "contiguous"  # of float inputs: contiguous | transposed | strided
+    fresh: bool = True  # new input tensors (otherwise the ones of the last call with this signature and layout)
+    keep: str = "drop"  # drop | hold (across later calls, checked after every step) | mutate (write one, then drop)
+    loss: str = "none"  # none | now | retain (backward with retain_graph, then again) | pending (a later step)
+    form: str = "sum"  # sum: (out * cotangent).sum() summed, .backward(); direct: torch.autograd.backward(outs, cots)
+    target: str = ""  # write_input: input name; write_output: held label; backward: "first" | "last"; dtype: dtype
+    variant: int = 0
+    retain: bool = False  # backward: retain_graph=True (the loss stays pending)
+
+    def describe(self) -> str:
+        if self.action == "call":
+            keep = f"mutate ({WRITES[self.variant][0]})" if self.keep == "mutate" else self.keep
+            parts = [self.mode.describe(), self.layout, "fresh" if self.fresh else "same inputs", keep]
+            if self.loss != "none":
+                parts.append(f"loss={self.loss}/{self.form}")
+            return "call " + ", ".join(parts)
+        if self.action == "backward":
+            return f"backward {self.target} pending" + (" retain_graph" if self.retain else "")
+        if self.action in ("write_input", "write_output"):
+            return f"{self.action} {self.target} ({WRITES[self.variant][0]})"
+        if self.action == "dtype":
+            return f"dtype {self.target}"
+        return self.action
+
+
+#: How write_input and write_output steps write: (description, function of the tensor).
+WRITES = (
+    ("no_grad add_(1.5)", lambda t: _no_grad(lambda: t.add_(1.5))),
+    ("no_grad mul_(-2)", lambda t: _no_grad(lambda: t.mul_(-2))),
+    ("add_(1)", lambda t: t.add_(1)),
+    ("no_grad zero_()", lambda t: _no_grad(lambda: t.zero_())),
+    ("t_()", lambda t: t.t_()),
+)
+
+
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
+@dataclass
+class Program:
+    seed: int
+    module: bool
+    width: int
+    batches: tuple[int, ...]
+    tensors: list[TensorSpec]  # inputs in signature order, then parameters and buffers
+    lines: list[Line]
+    outputs: list[str]
+    steps: list[Step]
+    position: str  # "first" | "last"
+    min_region_size: int
+    threads: bool = False
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return [t for t in self.tensors if t.role not in ("param", "buffer")]
+
+    @property
+    def params(self) -> list[TensorSpec]:
+        return [t for t in self.tensors if t.role in ("param", "buffer")]
+
+    @property
+    def random(self) -> bool:
+        return any(line.category in ("dropout", "random", "sdpa_dropout") for line in self.lines)
+
+    @property
+    def categories(self) -> list[str]:
+        return [line.category for line in self.lines]
+
+    def dims(self, scale: int) -> dict[str, int]:
+        batches = [b * scale for b in self.batches]
+        return {"d": self.width * scale, "n": 2 * max(batches), "vocab": 10 * scale, "batches": batches}
+
+    # -- source -------------------------------------------------------------------------------------------------------
+
+    def signature(self) -> list[str]:
+        names = [t.name for t in self.inputs]
+        return names if self.module else names + [t.name for t in self.params]
+
+    def source(self) -> str:
+        """The program as Python source: a module ``Fuzzed(d, n, vocab)`` or a function ``forward`` and
+        ``make_tensors(d, n, vocab)`` (its parameters and buffers, passed as trailing arguments)."""
+        out = ["import torch", "import torch.nn.functional as F", "", ""]
+        body = [ln.text if self.module else ln.text.replace("self.", "") for ln in self.lines]
+        outputs = [o if self.module else o.replace("self.", "") for o in self.outputs]
+        ret = f"return ({', '.join(outputs)},)"
+        if self.module:
+            out += [
+                "class Fuzzed(torch.nn.Module):",
+                "    def __init__(self, d, n, vocab):",
+                "        super().__init__()",
+            ]
+            for t in self.params:
+                if t.role == "buffer":
+                    out.append(f'        self.register_buffer("{t.name}", {t.init})')
+                else:
+                    out.append(f"        self.{t.name} = torch.nn.Parameter({t.init}, requires_grad={t.requires_grad})")
+            out += [
+                "",
+                "    def __call__(self, *args):  # skips nn.Module's hooks, which Thunder would interpret",
+                "        return self.forward(*args)",
+                "",
+                f"    def forward(self, {', '.join(self.signature())}):",
+            ]
+            indent = "        "
+        else:
+            out.append("def make_tensors(d, n, vocab):")
+            out.append("    return {")
+            for t in self.params:
+                out.append(f'        "{t.name}": ({t.init}).requires_grad_({t.requires_grad}),')
+            out += ["    }", "", "", f"def forward({', '.join(self.signature())}):"]
+            indent = "    "
+        for text in body:
+            out += [indent + sub for sub in text.split("\n")]
+        out.append(indent + ret)
+        return "\n".join(out) + "\n"
+
+    def describe(self) -> str:
+        kinds = ", ".join(f"{t.name}:{t.kind}{' rg' if t.requires_grad else ''}" for t in self.inputs)
+        head = (
+            f"seed={self.seed} {'module' if self.module else 'function'} cudagraphex {self.position} "
+            f"min_region_size={self.min_region_size} width={self.width} batches={self.batches}"
+            f"{' threads' if self.threads else ''}\ninputs: {kinds}\nops: {' '.join(self.categories)}"
+        )
+        steps = "\n".join(f"  {i:2d} {s.describe()}" for i, s in enumerate(self.steps))
+        return f"{head}\n{self.source()}steps:\n{steps}"

@@ -1,0 +1,214 @@
+"""Runs a program with cudagraphex and with plain Thunder in lock-step, and triages their differences."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import thunder
+import torch
+
+from cudagraphex import CUDAGraphExecutor
+from tests.fuzzing.compare import Failure, compare_step, compare_value, normalise, value_mode
+from tests.fuzzing.programs import Program, Step
+from tests.fuzzing.world import BACKENDS, BackendSpec, World, compile_source, derived_seed, executor
+
+
+@dataclass
+class Outcome:
+    failures: list[Failure] = field(default_factory=list)
+    raised_in_both: list[str] = field(default_factory=list)  # "ExceptionType: message" of runs both rejected
+    calls: int = 0
+    compilations: int = 0  # Thunder cache misses of both compiled functions
+
+
+def _lockstep(program: Program, worlds: Sequence[World], steps: Sequence[Step], seeded: bool):
+    """Yields (index, observations of each world) for each step."""
+    for index, step in enumerate(steps):
+        results = []
+        for world in worlds:
+            if seeded:
+                torch.manual_seed(derived_seed(program.seed, "step", index))
+            results.append(world.run(step, index))
+        yield index, results
+
+
+def _run_pair(program: Program, backend: BackendSpec, ex: CUDAGraphExecutor, seeded: bool) -> Outcome:
+    outcome = Outcome()
+    try:
+        ref = World(program, backend, None, compile_source(program, "reference"))
+        cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
+    except Exception as e:  # noqa: BLE001 - a program the fuzzer should not have built
+        outcome.failures.append(Failure(program.seed, -1, "setup", repr(e), f"setup: {type(e).__name__}", program))
+        return outcome
+    for index, (a, b) in _lockstep(program, (ref, cgx), program.steps, seeded):
+        outcome.calls += program.steps[index].action == "call"
+        failure = compare_step(program, backend, index, a, b)
+        if failure is not None:
+            outcome.failures.append(failure)
+            break
+        if a.raised is not None:
+            outcome.raised_in_both.append(f"{type(a.raised).__name__}: {normalise(str(a.raised))}")
+            break
+    outcome.compilations = thunder.cache_misses(ref.fn) + thunder.cache_misses(cgx.fn)
+    return outcome
+
+
+_MISSING = object()
+
+
+def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> None:
+    """Runs the program eagerly beside cudagraphex up to the failing step. When eager PyTorch agrees with
+    cudagraphex on what failed (the same error or none; values within a tolerance, or to the last bit where the
+    difference was within one; metadata only for random programs), plain Thunder is the one that differs, and the
+    failure is excused. An output's requires_grad is excused also where Thunder with a fusion executor of its own
+    agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`)."""
+    program = failure.program
+    if failure.symptom.startswith("raises only without cudagraphex") and _THUNDER_FUNCTION_VIEW in failure.symptom:
+        failure.excused = (
+            "an error of Thunder's autograd function, which returns outputs as views of one another; eager and"
+            " cudagraphex hand out plain tensors and views, which autograd lets the caller write"
+        )
+        return
+    if failure.step < 0 or (failure.nearly_equal and program.random):
+        return
+    failure.excused = _eager_verdict(failure, backend, ex)
+    if (
+        not failure.excused
+        and failure.symptom.endswith(": requires_grad")
+        and _a_fusion_executor_agrees(failure, backend, ex)
+    ):
+        failure.excused = (
+            "Thunder's grad transform finds no gradient, so Thunder connects outputs to autograd only where its"
+            " backward trace is not empty: without a fusion executor an in-place write no forward output needs is"
+            " moved into that backward; Thunder with its torch.compile fusion executor loses requires_grad as well"
+        )
+
+
+def _eager_verdict(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
+    """Why plain Thunder is the one that differs, by eager PyTorch run beside cudagraphex; empty for no verdict."""
+    program = failure.program
+    try:
+        eager = World(program, backend, "eager", compile_source(program, "eager"))
+        cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return ""
+    steps = program.steps[: failure.step + 1]
+    for index, (e, c) in _lockstep(program, (eager, cgx), steps, seeded=not program.threads):
+        if e.raised is not None and c.raised is None and _thunder_refuses_later(failure, e.raised):
+            return (
+                "eager refuses the program (a tensor saved for backward written in place); plain Thunder runs that"
+                " write in its backward and refuses a later backward, cudagraphex runs it in the forward"
+            )
+        if index < failure.step:
+            if e.raised is not None or c.raised is not None:
+                return ""
+            continue
+        if failure.label == "exception":  # the same error (type and message), or none
+            same = (e.raised is None) == (c.raised is None)
+            if same and e.raised is not None:
+                same = type(e.raised) is type(c.raised) and _gist(e.raised) == _gist(c.raised)
+        else:
+            a, b = dict(e.items).get(failure.label, _MISSING), dict(c.items).get(failure.label, _MISSING)
+            if a is _MISSING or b is _MISSING:
+                return ""
+            # a difference within a tolerance is Thunder's only where eager and cudagraphex agree to the last bit
+            mode = "meta" if program.random else "exact" if failure.nearly_equal else "close"
+            values_only = failure.symptom.endswith(("values", "values (within a tolerance)"))
+            same = compare_value(a, b, value_mode(failure.label, mode), values_only) is None
+        if same:
+            return "plain Thunder differs from eager here, and cudagraphex agrees with eager"
+    return ""
+
+
+def _a_fusion_executor_agrees(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> bool:
+    """Whether Thunder with its torch.compile fusion executor in cudagraphex's place observes what cudagraphex does at
+    the failing step.
+
+    Thunder 0.2.6 returns outputs that require grad only when ``split_into_forward_and_backward`` leaves a backward
+    trace: its grad transform produces no gradient under ``no_grad``, or where an in-place write may reach an input
+    through ``contiguous`` (``x.t().contiguous().t().relu_()``), yet without a fusion executor the split moves that
+    write into the backward, and the outputs require grad (a backward that computes nothing, or fails). A fusion
+    executor fuses the write with forward outputs, so it stays in the forward and no backward is left.
+    """
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    program = failure.program
+    try:
+        fused = World(program, backend, torch_compile_ex, compile_source(program, "torch.compile fusion"))
+        cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return False
+    steps = program.steps[: failure.step + 1]
+    for index, (f, c) in _lockstep(program, (fused, cgx), steps, seeded=not program.threads):
+        if f.raised is not None or c.raised is not None:
+            return False
+        if index == failure.step:
+            a, b = dict(f.items).get(failure.label, _MISSING), dict(c.items).get(failure.label, _MISSING)
+            return a is not _MISSING and b is not _MISSING and compare_value(a, b, "meta") is None
+    return False
+
+
+_THUNDER_FUNCTION_VIEW = "Output N of ThunderOutputFunctionBackward is a view"
+_SAVED_TENSOR_WRITTEN = "one of the variables needed for gradient computation has been modified by an inplace"
+
+
+def _thunder_refuses_later(failure: Failure, eager_error: BaseException) -> bool:
+    """Whether eager refused the program for a saved tensor written in place, and the difference is that plain Thunder
+    refuses it for the same reason at a later step (Thunder 0.2.6 moves such a forward write into its backward)."""
+    return (
+        failure.label == "exception"
+        and _SAVED_TENSOR_WRITTEN in str(eager_error)
+        and _SAVED_TENSOR_WRITTEN in failure.detail
+    )
+
+
+def _gist(e: BaseException) -> str:
+    """The start of an error message, up to the first detail in brackets."""
+    return normalise(str(e)).split("[")[0][:60]
+
+
+def check(program: Program, backend: str = "emulate", triage: bool = True) -> Outcome:
+    """Runs ``program`` with cudagraphex and with plain Thunder and returns the differences (at most one per
+    thread: a run stops at its first difference, or where both raise). With ``triage``, each difference is also
+    checked against eager PyTorch (see :func:`_triage`)."""
+    spec = BACKENDS[backend]
+    ex = executor(backend, program.min_region_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if spec.device == "cuda" else []):
+            if not program.threads:
+                outcome = _run_pair(program, spec, ex, seeded=True)
+            else:
+                outcome = _run_threads(program, spec, ex)
+            if triage:
+                for f in outcome.failures:
+                    _triage(f, spec, ex)
+    return outcome
+
+
+def _run_threads(program: Program, spec: BackendSpec, ex: CUDAGraphExecutor) -> Outcome:
+    """Two threads, each with its own compiled pair (RNG-free programs only: the threads share the generator)."""
+    outcomes: list[Outcome] = [Outcome(), Outcome()]
+
+    def worker(k: int) -> None:
+        try:
+            outcomes[k] = _run_pair(program, spec, ex, seeded=False)
+        except Exception as e:  # noqa: BLE001 - reported as a failure
+            f = Failure(program.seed, -1, f"thread {k}", repr(e), f"thread: {type(e).__name__}", program)
+            outcomes[k] = Outcome([f])
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    merged = Outcome()
+    for o in outcomes:
+        merged.failures += o.failures
+        merged.raised_in_both += o.raised_in_both
+        merged.calls += o.calls
+        merged.compilations += o.compilations
+    return merged

@@ -1,0 +1,316 @@
+"""One compiled program and its observable state: runs steps and snapshots what a caller can see."""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import threading
+import traceback
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import thunder
+import torch
+from thunder.extend import Executor
+
+from cudagraphex import CUDAGraphExecutor
+from tests.fuzzing.programs import WRITES, Mode, Program, Step, TensorSpec
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    device: str
+    scale: int  # multiplies the program's sizes (statistics need larger tensors)
+    compare: str  # "exact" | "close"
+
+
+BACKENDS = {
+    "emulate": BackendSpec("emulate", "cpu", 1, "exact"),
+    "cuda": BackendSpec("cuda", "cuda", 8, "close"),
+}
+
+_executors: dict[tuple[str, int], CUDAGraphExecutor] = {}
+
+
+def executor(backend: str, min_region_size: int) -> CUDAGraphExecutor:
+    key = (backend, min_region_size)
+    if key not in _executors:
+        _executors[key] = CUDAGraphExecutor(
+            f"cudagraphex_fuzz_{backend}_{min_region_size}", backend=backend, min_region_size=min_region_size
+        )
+    return _executors[key]
+
+
+def derived_seed(*key: Any) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def compile_source(program: Program, tag: str) -> dict:
+    src = program.source()
+    filename = f"<fuzz seed={program.seed} {tag}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    namespace: dict = {}
+    exec(compile(src, filename, "exec"), namespace)  # noqa: S102 - the program under test
+    return namespace
+
+
+class Observations:
+    def __init__(self):
+        self.items: list[tuple[str, Any]] = []
+        self.raised: BaseException | None = None
+        self.where = ""
+
+    def add(self, label: str, value: Any) -> None:
+        self.items.append((label, _snapshot(value)))
+
+
+@dataclass
+class TensorSnapshot:
+    value: torch.Tensor
+    meta: dict[str, Any]
+
+
+def _snapshot(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        meta = {
+            "shape": tuple(value.shape),
+            "dtype": value.dtype,
+            "stride": value.stride(),
+            "device": value.device.type,
+            "requires_grad": value.requires_grad,
+            "is_leaf": value.is_leaf,
+        }
+        return TensorSnapshot(value.detach().clone(), meta)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_snapshot(v) for v in value)
+    return value
+
+
+_INIT_LOCK = threading.Lock()
+
+
+class World:
+    """One compiled version of the program, with its own parameters, inputs, held outputs and pending losses."""
+
+    def __init__(self, program: Program, backend: BackendSpec, ex: Executor | str | None, namespace: dict):
+        self.program = program
+        self.backend = backend
+        self.device = backend.device
+        dims = program.dims(backend.scale)
+        self.dims = dims
+        with _INIT_LOCK, torch.random.fork_rng(devices=[]):  # threads share the generator
+            torch.manual_seed(program.seed)
+            if program.module:
+                self.module = namespace["Fuzzed"](dims["d"], dims["n"], dims["vocab"]).to(self.device)
+                target = self.module
+                self.fn_params: dict[str, torch.Tensor] = {}
+            else:
+                self.module = None
+                made = namespace["make_tensors"](dims["d"], dims["n"], dims["vocab"])
+                self.fn_params = {
+                    k: v.detach().to(self.device).requires_grad_(v.requires_grad) for k, v in made.items()
+                }
+                target = namespace["forward"]
+        if ex is None:
+            self.fn = thunder.jit(target)
+        elif ex == "eager":
+            self.fn = target
+        elif program.position == "first":
+            self.fn = thunder.jit(target, executors=[ex, *thunder.get_default_executors()])
+        else:
+            self.fn = thunder.jit(target, executors=[*thunder.get_default_executors(), ex])
+        self.persistent: dict[tuple, torch.Tensor] = {}
+        self.held: dict[str, Any] = {}
+        self.pending: list[tuple[str, Any, list, list, dict]] = []
+        self.last_inputs: dict[str, torch.Tensor] = {}
+        self.previous: dict[int, torch.Tensor] = {}
+        self.calls = 0
+
+    # -- tensors
+
+    def named_state(self) -> list[tuple[str, torch.Tensor]]:
+        if self.module is not None:
+            return [(t.name, getattr(self.module, t.name)) for t in self.program.params]
+        return list(self.fn_params.items())
+
+    def _make_input(self, spec: TensorSpec, mode: Mode, layout: str, key: tuple) -> torch.Tensor:
+        g = torch.Generator().manual_seed(derived_seed(self.program.seed, *key))
+        d, n, vocab = self.dims["d"], self.dims["n"], self.dims["vocab"]
+        batch = self.dims["batches"][mode.batch]
+        dtype = _DTYPES[mode.dtype]
+        if spec.kind == "I":
+            return torch.randperm(n, generator=g)[:batch].to(self.device)
+        if spec.kind == "T":
+            return torch.randint(0, vocab, (batch,), generator=g).to(self.device)
+        if spec.kind == "S":
+            return torch.rand((), generator=g).to(dtype) + 0.5  # a CPU scalar tensor, also on CUDA
+        shape = {"BD": (batch, d), "D": (d,), "ND": (n, d)}[spec.kind]
+        if layout == "transposed" and len(shape) == 2:
+            t = torch.randn(shape[::-1], generator=g).to(self.device, dtype).t()
+        elif layout == "strided":
+            t = torch.randn((*shape[:-1], 2 * shape[-1]), generator=g).to(self.device, dtype)[..., ::2]
+        else:
+            t = torch.randn(shape, generator=g).to(self.device, dtype)
+        return t.requires_grad_(spec.requires_grad)
+
+    def inputs_for(self, step: Step, index: int) -> dict[str, torch.Tensor]:
+        args = {}
+        for spec in self.program.inputs:
+            if spec.persistent or (not step.fresh and spec.kind not in ("I", "T", "S")):
+                key = ("persistent", spec.name, step.mode.batch, step.mode.dtype, step.layout)
+                if key not in self.persistent:
+                    self.persistent[key] = self._make_input(spec, step.mode, step.layout, key)
+                args[spec.name] = self.persistent[key]
+            else:
+                args[spec.name] = self._make_input(spec, step.mode, step.layout, ("call", index, spec.name))
+        return args
+
+    # -- steps
+
+    def run(self, step: Step, index: int) -> Observations:
+        obs = Observations()
+        try:
+            getattr(self, f"_{step.action}")(step, index, obs)
+            self._observe_common(obs)
+        except Exception as e:  # noqa: BLE001 - compared with the other world's
+            obs.raised = e
+            obs.where = "".join(traceback.format_exception(e)[-12:])
+        return obs
+
+    def _call(self, step: Step, index: int, obs: Observations) -> None:
+        args = self.inputs_for(step, index)
+        call_args = list(args.values())
+        if self.module is None:
+            call_args += list(self.fn_params.values())
+        label = f"c{self.calls}"
+        self.calls += 1
+        with contextlib.nullcontext() if step.mode.grad else torch.no_grad():
+            result = self.fn(*call_args)
+        outs = list(result)
+        for i, o in enumerate(outs):
+            obs.add(f"out{i}", o)
+            if isinstance(o, torch.Tensor):
+                prev = self.previous.get(i)
+                obs.add(
+                    f"out{i} equals the previous call's",
+                    prev is not None and prev.shape == o.shape and bool(torch.equal(prev, o.detach())),
+                )
+                self.previous[i] = o.detach().clone()
+        # identity and memory sharing with inputs, parameters, held outputs and each other
+        named = [(f"input {k}", v) for k, v in args.items()] + [(f"state {k}", v) for k, v in self.named_state()]
+        tensors = named + [(f"out{i}", o) for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
+        tensors += [
+            (f"held {k}[{i}]", o)
+            for k, os in self.held.items()
+            for i, o in enumerate(os)
+            if isinstance(o, torch.Tensor)
+        ]
+        obs.add("shared memory", _sharing(tensors))
+        obs.add("identity", [next((n for n, t in named if o is t), None) for o in outs])
+        for k, v in args.items():
+            obs.add(f"input {k} after the call", v)
+        self.last_inputs = args
+        grads = [(o, None) for o in outs if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
+        if step.mode.grad and step.loss != "none" and grads:
+            g = torch.Generator().manual_seed(derived_seed(self.program.seed, "cotangent", index))
+            pairs = [(o, torch.randn(o.shape, generator=g).to(o.device, o.dtype)) for o, _ in grads]
+            leaves = {k: v for k, v in args.items() if v.requires_grad}
+            leaves.update({k: v for k, v in self.named_state() if v.requires_grad})
+            if step.form == "sum":
+                loss = sum((o * c).sum() for o, c in pairs)
+                obs.add("loss", loss)
+                entry = (label, loss, [], [], leaves)
+            else:
+                entry = (label, None, [o for o, _ in pairs], [c for _, c in pairs], leaves)
+            if step.loss == "pending":
+                self.pending.append(entry)
+            else:
+                self._backprop(entry, step.loss == "retain", obs)
+                if step.loss == "retain":
+                    self._backprop(entry, False, obs)
+        if step.keep == "hold":
+            self.held[label] = outs
+        elif step.keep == "mutate":
+            self._write_first(outs, step.variant)
+        del outs, result
+
+    def _backprop(self, entry, retain: bool, obs: Observations) -> None:
+        label, loss, outs, cots, leaves = entry
+        if loss is not None:
+            loss.backward(retain_graph=retain)
+        else:
+            torch.autograd.backward(outs, cots, retain_graph=retain)
+        for k, v in leaves.items():
+            obs.add(f"grad of {label} {k}", v.grad)
+
+    def _backward(self, step: Step, index: int, obs: Observations) -> None:
+        if not self.pending:
+            return
+        pos = 0 if step.target == "first" else -1
+        entry = self.pending[pos]
+        if not step.retain:
+            self.pending.pop(pos)
+        self._backprop(entry, step.retain, obs)
+
+    def _write_input(self, step: Step, index: int, obs: Observations) -> None:
+        t = self.last_inputs.get(step.target)
+        if t is not None:
+            WRITES[step.variant][1](t)
+            obs.add(f"input {step.target} after the write", t)
+
+    def _write_output(self, step: Step, index: int, obs: Observations) -> None:
+        self._write_first(self.held.get(step.target, []), step.variant)
+
+    @staticmethod
+    def _write_first(outs: Sequence[Any], variant: int) -> None:
+        tensors = [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        if tensors:
+            WRITES[variant][1](tensors[0])
+
+    def _zero_grad(self, step: Step, index: int, obs: Observations) -> None:
+        for _, t in self.named_state():
+            t.grad = None
+        for t in self.persistent.values():
+            t.grad = None
+
+    def _train(self, step: Step, index: int, obs: Observations) -> None:
+        self.module.train()
+
+    def _eval(self, step: Step, index: int, obs: Observations) -> None:
+        self.module.eval()
+
+    def _dtype(self, step: Step, index: int, obs: Observations) -> None:
+        self._zero_grad(step, index, obs)
+        dtype = _DTYPES[step.target]
+        if self.module is not None:
+            self.module.to(dtype)
+        else:
+            for t in self.fn_params.values():
+                t.data = t.data.to(dtype)
+
+    def _observe_common(self, obs: Observations) -> None:
+        for label, outs in self.held.items():
+            for i, o in enumerate(outs):
+                obs.add(f"held output {label}[{i}]", o)
+        for name, t in self.named_state():
+            obs.add(f"state {name}", t)
+            if t.requires_grad:
+                obs.add(f"grad of state {name}", t.grad)
+
+
+def _sharing(tensors: list[tuple[str, Any]]) -> list[tuple[str, str]]:
+    """Pairs of labels whose tensors share memory (a storage), in label order."""
+    by_storage: dict[int, list[str]] = {}
+    for label, t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel() > 0:
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(label)
+    pairs = []
+    for labels in by_storage.values():
+        pairs += [(a, b) for i, a in enumerate(labels) for b in labels[i + 1 :] if a != b]
+    return sorted(pairs)
