@@ -4,7 +4,7 @@ Every test runs the step twice in lock-step, through ``graph_step`` and as plain
 seeds, and compares what a caller can observe after every call: the returned values, parameters, gradients (and which
 are None), buffers and optimizer state. On the CPU replay backend the comparison is exact.
 
-The points of the contract (``tests/test_contract.py``) through the whole-step path:
+The points of the contract (``tests/contract/``) through the whole-step path:
 
 1. Outputs the caller holds are never overwritten: ``test_outputs_the_caller_keeps_are_never_overwritten``.
 2. Saved tensors: a step consumes its own autograd graph, and what it returns is detached; an argument that requires

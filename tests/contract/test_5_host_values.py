@@ -1,0 +1,63 @@
+"""Contract point 5: per-call host values give the right result on every call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudagraphex import CUDAGraphExecutor, explain
+from tests.helpers import BACKENDS, emulated, jit, protection_off
+
+
+def scale_by_item(x):
+    s = x.abs().max().item()
+    return (x / s).sin() * s + 1
+
+
+def host_values_follow_each_call(jf) -> bool:
+    """Whether ``jf``, a compiled ``scale_by_item``, matches it for five inputs whose host value differs."""
+    return all(torch.allclose(jf(x), scale_by_item(x)) for x in (torch.randn(8) * (i + 1) for i in range(5)))
+
+
+def test_host_value_in_a_graph_is_keyed_on_its_value():
+    """A ``can_fuse`` override may let a host value into a graph: each value then gets its own graph."""
+
+    class Permissive(CUDAGraphExecutor):
+        def can_fuse(self, bsym):
+            return super().can_fuse(bsym) or bsym.sym.name not in ("item", "python_return", "unpack_trivial")
+
+    ex = Permissive("cudagraphex_permissive", backend="emulate")
+    jf = jit(scale_by_item, ex)
+    assert host_values_follow_each_call(jf)
+    (region,) = [r for r in explain(jf).regions if r.host_values]
+    assert region.host_values and not set(region.host_values) & set(region.copied_inputs)
+    assert f"host values: {region.host_values[0]}" in str(explain(jf))
+
+
+def test_host_value_protection_bites():
+    assert host_values_follow_each_call(jit(scale_by_item, emulated))
+    with protection_off("host_values_stay_out", "signature_guard"):
+        assert not host_values_follow_each_call(jit(scale_by_item, emulated))
+
+
+def test_numbers_passed_as_inputs(backend):
+    def f(x, alpha):
+        return (x * alpha).sin() + alpha
+
+    for cache in ("constant values", "symbolic values"):
+        jf = jit(f, backend.executor, cache=cache)
+        for i in range(4):
+            x = torch.randn(8, device=backend.device)
+            torch.testing.assert_close(jf(x, 0.5 * i), f(x, 0.5 * i))
+
+
+@pytest.mark.cuda
+def test_cpu_scalar_tensor_changing_every_call():
+    def f(x, scale):
+        return (x * scale).cos() + scale
+
+    jf = jit(f, BACKENDS["cuda"].executor)
+    for i in range(5):
+        x = torch.randn(8, device="cuda")
+        scale = torch.tensor(float(i) + 0.5)  # a CPU scalar tensor
+        torch.testing.assert_close(jf(x, scale), f(x, scale))
