@@ -48,14 +48,18 @@ def _fill(text: str, **kwargs: str) -> str:
 def _help_epilog() -> str:
     """The names ``--workloads``, ``--modes`` and ``--variants`` take, the expected failures and the exit status."""
     from benchmarks.suite import EXPECTED_FAILURES
-    from benchmarks.variants import STEP_VARIANTS, VARIANTS
+    from benchmarks.variants import STEP_VARIANTS, VARIANTS, variant_modes
     from benchmarks.workloads import MODES, WORKLOADS
 
     def paragraph(text: str, indent: str = "") -> str:
         return _fill(text, initial_indent=indent, subsequent_indent=indent + "  ")
 
     parts = [paragraph(f"workloads: {', '.join(WORKLOADS)}"), paragraph(f"modes: {', '.join(MODES)}")]
-    parts.append(paragraph(f"variants: {', '.join(VARIANTS)} (train_step only: {', '.join(STEP_VARIANTS)})"))
+    limited: dict[tuple[str, ...], list[str]] = {}
+    for variant in STEP_VARIANTS:
+        limited.setdefault(variant_modes(variant), []).append(variant)
+    only = "; ".join(f"{' and '.join(modes)} only: {', '.join(names)}" for modes, names in limited.items())
+    parts.append(paragraph(f"variants: {', '.join(VARIANTS)} ({only})"))
     parts.append("expected failures (recorded with their reason; they do not fail the job):")
     parts += [
         paragraph(f"{f.workload} / {f.mode} / {f.variant}, an error with {f.error!r}: {f.reason}", "  ")

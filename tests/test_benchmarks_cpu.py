@@ -447,6 +447,9 @@ def test_help_lists_the_workloads_modes_and_variants(capsys):
     for known in EXPECTED_FAILURES:
         assert known.variant in names and known.workload in names
     assert "exit status" in text
+    flat = " ".join(text.split())
+    assert "train_step only: thunder+wholestep(unsafe), thunder+torchcompile+wholestep(unsafe);" in flat
+    assert "inference and train_step only: thunder+cudagraphex-step, thunder+torchcompile+cudagraphex-step)" in flat
 
 
 def test_the_bench_extra_pins_the_tested_transformers():
