@@ -75,6 +75,8 @@ class Report:
 
     function: str
     traces: list[TraceReport] = field(default_factory=list)
+    #: Why there is no trace to report, when there is none.
+    note: str = ""
 
     @property
     def regions(self) -> list[RegionReport]:
@@ -96,6 +98,8 @@ class Report:
             f"{len(self.regions)} region(s), {self.num_graphs} graph(s), {_bytes(self.pool_bytes)} of graph memory"
         )
         lines = [f"cudagraphex report for {self.function}: {summary}"]
+        if self.note:
+            lines.append(f"  {self.note}")
         for t in self.traces:
             lines.append(f"trace {t.index} ({t.label}): {len(t.regions)} region(s), {len(t.breaks)} break(s)")
             for r in t.regions:
@@ -222,7 +226,7 @@ def inspect(fn: Any) -> Inspection:
 
 def _function_graphs(fn: Any) -> Iterable[tuple[str, str, FunctionGraphs]]:
     """The (label, graphs) of every Thunder-compiled function behind ``fn``."""
-    subgraph_infos = getattr(getattr(fn, "_backend", None), "subgraph_infos", None)
+    subgraph_infos = _thunderfx_partitions(fn)
     if subgraph_infos is not None:  # thunder.dynamo.thunderfx: one Thunder function per partition
         for i, info in enumerate(subgraph_infos):
             for j, compiled in enumerate(info.thunder_compiled_fns):
@@ -264,4 +268,21 @@ def explain(fn: Any) -> Report | StepReport:
                     structural_breaks=sum(b.structural for b in breaks),
                 )
             )
+    if not report.traces:
+        report.note = _why_no_trace(fn)
     return report
+
+
+def _thunderfx_partitions(fn: Any) -> list | None:
+    """The partitions of a ``thunderfx`` object (each with its Thunder functions); None for anything else."""
+    return getattr(getattr(fn, "_backend", None), "subgraph_infos", None)
+
+
+def _why_no_trace(fn: Any) -> str:
+    partitions = _thunderfx_partitions(fn)
+    if partitions == [] or (partitions is None and thunder.cache_misses(fn) == 0):
+        return "not called yet: cudagraphex plans a function's graphs when Thunder compiles its first call"
+    return (
+        "cudagraphex saw none of its traces: compile it with a cudagraphex executor (executors=[cudagraphex, ...]) or"
+        " transforms=[cudagraphex.CUDAGraphTransform()]"
+    )

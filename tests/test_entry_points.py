@@ -453,6 +453,7 @@ def test_thunderfx_gives_each_partition_its_own_graphs(backend):
         return (y.exp() - 1).tanh() * 3
 
     compiled = thunderfx(f, executors=[backend.executor, *thunder.get_default_executors()])
+    assert "not called yet" in str(explain(compiled))
     for _ in range(3):
         x = torch.randn(8, device=backend.device)
         torch.testing.assert_close(compiled(x), f(x))
@@ -493,6 +494,17 @@ def test_explain_reads_as_text_and_as_data(backend):
         assert needle in text
     if backend.name == "cuda":
         assert report.pool_bytes >= 0
+
+
+def test_explain_says_why_it_has_no_trace_to_report(backend):
+    jf = jit(lambda x: x.sin() * 2 + 1, backend.executor)
+    assert "not called yet" in str(explain(jf))
+    jf(torch.randn(4, device=backend.device))
+    assert explain(jf).note == ""
+    plain = thunder.jit(lambda x: x.sin() * 2 + 1)
+    plain(torch.randn(4, device=backend.device))
+    report = explain(plain)
+    assert report.regions == [] and "cudagraphex saw none of its traces" in str(report)
 
 
 def test_explain_rejects_what_thunder_did_not_compile():
