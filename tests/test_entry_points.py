@@ -130,6 +130,15 @@ def test_transform_accepts_share_mem_pool_and_a_can_fuse_override():
         assert graphs.options.share_pool is share
 
 
+def test_transform_options_are_checked_under_their_own_names():
+    with pytest.raises(ValueError, match="share_mem_pool must be a bool, got 'yes'"):
+        CUDAGraphTransform(share_mem_pool="yes")
+    with pytest.raises(TypeError, match="takes share_mem_pool"):
+        CUDAGraphTransform(share_pool=False)
+    with pytest.raises(ValueError, match="min_region_size"):
+        CUDAGraphTransform(min_region_size=0)
+
+
 def test_forward_without_backward_then_a_new_shape():
     """Thunder's transform fails here with "called on augmented forward twice without backward in between"."""
 

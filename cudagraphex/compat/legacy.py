@@ -131,12 +131,20 @@ class CUDAGraphTransform(Transform):
             Thunder's transform this is safe and the default: the runtime checks liveness before every replay.
         **options: further :class:`~cudagraphex.CUDAGraphExecutor` options (``min_region_size``, ``strict``, ...).
 
+    Raises:
+        ValueError: for an invalid option.
+        TypeError: for an option :class:`~cudagraphex.CUDAGraphExecutor` does not take, or ``share_pool``.
+
     ``cuda_graph_runner.cuda_graph_cache``, as on Thunder's transform, maps each graph captured so far to an entry (see
     :attr:`cuda_graph_runner`); the transform holds the functions it compiled and their graphs by weak reference only.
     """
 
     def __init__(self, *, share_mem_pool: bool = True, **options: Any) -> None:
         super().__init__()
+        if not isinstance(share_mem_pool, bool):
+            raise ValueError(f"share_mem_pool must be a bool, got {share_mem_pool!r}")  # noqa: TRY004 (contract)
+        if "share_pool" in options:
+            raise TypeError("CUDAGraphTransform takes share_mem_pool, as Thunder's transform does, not share_pool")
         self.executor = _TransformExecutor(self, share_pool=share_mem_pool, **options)
         self._runner = _GraphRunner(self.executor)
 
