@@ -1,37 +1,20 @@
-"""The GPU run: every (workload, variant, mode), each checked against eager and then timed.
+"""The GPU run: every (workload, variant, mode), checked against eager, measured for memory, then timed.
 
-Workloads run one after another; everything built for one is freed before the next. Within a workload, variants run
-in the order of ``TASK_ORDER`` (so that a time budget that runs out drops the least important ones; each skipped task is
-recorded with its reason), so all variants of a workload are measured within a few minutes of each other. For one
-variant, mode after mode:
+``benchmarks/README.md`` ("What is measured", "Time") defines every field of a record; this module measures them.
+Its invariants:
 
-* ``setup_s``: wall time from making the case through its first 3 calls (compilation, warm-up, graph capture; a
-  compiled object is reused across modes, so the modes after the first pay less of it).
-* ``correct``: one more call (two in ``train_step``), compared with eager's results (the output; the gradients in
-  ``train_bwd``; in ``train_step``, from the case's starting state: the loss, the optimizer's first moments after one
-  step, and the loss after it, see ``benchmarks.variants``). Relative error (norm of the difference / norm of eager's) at most 1e-3 in
-  fp32, 5e-2 in bf16 or fp16.
-* ``peak_mem_bytes`` / ``peak_reserved_bytes``: the peak of ``torch.cuda.max_memory_allocated`` /
-  ``max_memory_reserved`` over the setup and a few more calls, minus what was allocated / reserved before the variant
-  built its model: the model, its gradients and optimizer state, activations, workspaces and graph pools (and what
-  the compiled object keeps from the modes measured before), and nothing of the other variants. (With interleaved
-  timing, cuBLAS's workspaces are released before the workload's first variant only, so a variant's peak leaves out a
-  workspace that a variant set up before it allocated.) ``steady_peak_mem_bytes``: the same over those few calls
-  alone, after the setup (warm-up, captures and the correctness check): a setup that peaks above it shows there.
-* ``median_us``: timed after every variant of the workload has been set up and checked, mode by mode, in rounds:
-  each round times one block of calls of every variant, in the order they were set up, so that this VM's drift
-  (±50% between runs, minutes apart) affects all variants alike. A block is long enough to last ``rep_target_s``
-  and lies between two ``torch.cuda.synchronize``; ``median_us`` is the median over ``reps`` rounds of the time per
-  call. Fifteen rounds by default: the blocks of a backward vary by ±25% within one run, eager's as much as any
-  graph variant's, and with five rounds the ratio of two variants' medians was 0.68 in one pass of a run and 0.86 in
-  the next.
-
-``torch.compile(mode="reduce-overhead")`` is set up first, and timed right after its setup (``TIMED_AT_SETUP``):
-interleaved timing makes a second case of each compiled model, and reduce-overhead's second ``train_bwd`` case
-failed in CUDA-graph trees ("invalid device pointer"). Set up first because it frees cuBLAS's workspaces when it
-records (``torch._inductor.cudagraph_trees.clear_cublas_manager``). Between the variants of an interleaved workload,
-neither cuBLAS's workspaces nor the allocator's cached blocks are released, since the graphs set up so far run again
-later; releasing them there ended in "illegal memory access" errors.
+* Workloads run one after another; everything built for one is freed before the next. Within a workload, variants are
+  set up in the order of ``TASK_ORDER``, each in all its modes before the next (a budget that runs out drops the least
+  important; a skipped task is recorded with its reason), and kept until the workload is timed.
+* Timing starts once every variant of the workload is set up: mode by mode, in rounds of one block of calls per
+  variant, so that the VM's drift touches all variants alike.
+* ``torch.compile(mode="reduce-overhead")`` is set up first, because it frees cuBLAS's workspaces when it records
+  (``torch._inductor.cudagraph_trees.clear_cublas_manager``), and timed right after its setup (``TIMED_AT_SETUP``):
+  interleaved timing makes a second case of each compiled model, and reduce-overhead's second ``train_bwd`` case
+  failed in CUDA-graph trees ("invalid device pointer").
+* Between the variants of a workload neither cuBLAS's workspaces nor the allocator's cached blocks are released: the
+  graphs set up so far run again later, and releasing them there ended in "illegal memory access" errors. A variant's
+  peak therefore leaves out a workspace that a variant set up before it allocated.
 """
 
 from __future__ import annotations
