@@ -126,7 +126,7 @@ def append_run(out_dir: Path, name: str, title: str, argv: Sequence[str], body: 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     path = out_dir / f"{results_basename(now.date().isoformat(), gpu)}-{name}.md"
     head = "" if path.exists() else f"# {title}: {gpu}, {now.date().isoformat()}\n"
-    setup = ", ".join(f"{k} {v}" for k, v in versions().items())
+    setup = _versions_text(versions())
     run = f"## Run of {now.isoformat(timespec='seconds')}, code {commit()[:12]}"
     command = " ".join([f"python -m benchmarks.{name}", *argv])
     text = f"{head}\n{run}\n\n{setup}\n\n`{command}`\n\n{body}\n"
