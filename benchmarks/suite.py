@@ -674,7 +674,10 @@ def _cudagraphex_summary(fn) -> str:
         return "; ".join(line.strip() for line in str(report).splitlines())
     regions = report.regions
     replays = sum(r.replays for r in regions)
-    text = f"cudagraphex: {len(regions)} region(s), {report.num_graphs} graph(s), {replays} replay(s)"
+    text = (
+        f"cudagraphex: {len(regions)} region(s), {report.num_graphs} graph(s), {replays} replay(s),"
+        f" {report.pool_bytes / 2**20:.0f} MiB in pools, peak raised by {report.peak_added_bytes / 2**20:.0f} MiB"
+    )
     failed = [r.name for r in regions if r.disabled_reason]
     if failed:
         text += f", capture failed in {', '.join(failed)}"

@@ -84,6 +84,10 @@ class CudaBackend:
     def reserved_bytes(self, device: torch.device) -> int:
         return torch.cuda.memory_reserved(device)
 
+    def peak_allocated_bytes(self, device: torch.device) -> int:
+        """The process's peak allocated memory on ``device`` (read only: the user's peak statistics stay as they are)."""
+        return torch.cuda.max_memory_allocated(device)
+
     def capture(
         self,
         fn: Callable,
@@ -216,6 +220,9 @@ class EmulatedBackend:
         return object()
 
     def reserved_bytes(self, device: torch.device) -> int:
+        return 0
+
+    def peak_allocated_bytes(self, device: torch.device) -> int:
         return 0
 
     def capture(

@@ -14,9 +14,10 @@ import thunder
 from cudagraphex.planning.regions import Break
 from cudagraphex.planning.static_inputs import InputKind
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion
+from cudagraphex.runtime.liveness import Pool
 from cudagraphex.step import StepGraph, StepReport
 
-__all__ = ["GraphReport", "Inspection", "RegionReport", "Report", "TraceReport", "explain", "inspect"]
+__all__ = ["GraphReport", "Inspection", "PoolReport", "RegionReport", "Report", "TraceReport", "explain", "inspect"]
 
 
 @dataclass
@@ -29,8 +30,24 @@ class GraphReport:
     read_in_place: list[str]
     replays: int
     capture_ms: float
+    #: Memory the capture added to its pool (reserved by the allocator).
     pool_bytes: int
     own_pool: bool
+    #: How far the process's peak allocated memory (``torch.cuda.max_memory_allocated``) rose while the graph's input
+    #: buffers were made and it was captured; 0 where that stayed below an earlier peak, and on the CPU backend.
+    peak_added_bytes: int
+
+
+@dataclass
+class PoolReport:
+    """One memory pool: the graphs of one compiled function on one device share one, a graph captured while it was
+    busy gets its own."""
+
+    device: str
+    shared: bool
+    graphs: int
+    #: Memory the captures of its graphs added to it (reserved by the allocator).
+    bytes: int
 
 
 @dataclass
@@ -75,6 +92,7 @@ class Report:
 
     function: str
     traces: list[TraceReport] = field(default_factory=list)
+    pools: list[PoolReport] = field(default_factory=list)
     #: Why there is no trace to report, when there is none.
     note: str = ""
 
@@ -88,18 +106,27 @@ class Report:
 
     @property
     def pool_bytes(self) -> int:
-        return sum(g.pool_bytes for r in self.regions for g in r.graphs)
+        return sum(p.bytes for p in self.pools)
+
+    @property
+    def peak_added_bytes(self) -> int:
+        """How far the captures raised the process's peak allocated memory, in all."""
+        return sum(g.peak_added_bytes for r in self.regions for g in r.graphs)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
         summary = (
-            f"{len(self.regions)} region(s), {self.num_graphs} graph(s), {_bytes(self.pool_bytes)} of graph memory"
+            f"{len(self.regions)} region(s), {self.num_graphs} graph(s), {_bytes(self.pool_bytes)} of graph memory,"
+            f" peak raised by {_bytes(self.peak_added_bytes)}"
         )
         lines = [f"cudagraphex report for {self.function}: {summary}"]
         if self.note:
             lines.append(f"  {self.note}")
+        for p in self.pools:
+            kind = "shared" if p.shared else "own"
+            lines.append(f"  pool on {p.device} ({kind}): {p.graphs} graph(s), {_bytes(p.bytes)}")
         for t in self.traces:
             lines.append(f"trace {t.index} ({t.label}): {len(t.regions)} region(s), {len(t.breaks)} break(s)")
             for r in t.regions:
@@ -132,7 +159,7 @@ def _region_lines(r: RegionReport) -> list[str]:
         in_place = f", reads in place: {_names(g.read_in_place)}" if g.read_in_place else ""
         lines.append(
             f"    graph {i}: inputs {g.input_shapes}{in_place}, {g.replays} replay(s), captured in {g.capture_ms:.1f}"
-            f" ms, {_bytes(g.pool_bytes)}{pool}"
+            f" ms, {_bytes(g.pool_bytes)}{pool}, peak raised by {_bytes(g.peak_added_bytes)}"
         )
     if r.eager_calls:
         lines.append("    eager calls: " + ", ".join(f"{why} x{n}" for why, n in r.eager_calls.items()))
@@ -170,6 +197,7 @@ def _region_report(region: GraphedRegion) -> RegionReport:
             capture_ms=i.capture_seconds * 1e3,
             pool_bytes=i.pool_bytes,
             own_pool=not i.pool.shared,
+            peak_added_bytes=i.peak_added,
         )
         for i in region.instances
     ]
@@ -257,7 +285,8 @@ def explain(fn: Any) -> Report | StepReport:
     if isinstance(fn, StepGraph):
         return fn.report()
     report = Report(function=getattr(fn, "__name__", type(fn).__name__))
-    for label, _, graphs in inspect(fn).functions:
+    inspection = inspect(fn)
+    for label, _, graphs in inspection.functions:
         for trace_label, breaks, regions in graphs.traces:
             report.traces.append(
                 TraceReport(
@@ -268,9 +297,28 @@ def explain(fn: Any) -> Report | StepReport:
                     structural_breaks=sum(b.structural for b in breaks),
                 )
             )
+    report.pools = [_pool_report(pool, device) for pool, device in _pools(inspection.regions())]
     if not report.traces:
         report.note = _why_no_trace(fn)
     return report
+
+
+def _pools(regions: Iterable[GraphedRegion]) -> list[tuple[Pool, str]]:
+    """The pools the instances of ``regions`` were captured into, each once, with its device."""
+    seen: dict[int, tuple[Pool, str]] = {}
+    for r in regions:
+        for i in r.instances:
+            seen.setdefault(id(i.pool), (i.pool, r.info.device))
+    return list(seen.values())
+
+
+def _pool_report(pool: Pool, device: str) -> PoolReport:
+    return PoolReport(
+        device=device,
+        shared=pool.shared,
+        graphs=len(pool.instances),
+        bytes=sum(i.pool_bytes for i in pool.instances),
+    )
 
 
 def _thunderfx_partitions(fn: Any) -> list | None:

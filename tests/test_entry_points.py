@@ -505,6 +505,29 @@ def test_explain_reads_as_text_and_as_data(backend):
         assert report.pool_bytes >= 0
 
 
+def test_explain_reports_each_pool_and_the_peak_the_captures_added(backend):
+    jf = jit(lambda x: (x.sin() * 2 + 1).cos() * 3, backend.executor)
+    xs = [torch.randn(8, device=backend.device) for _ in range(3)]
+    for x in xs:
+        jf(x)
+    # Held across two calls: the first switches the output to copies, the second captures into a pool of its own.
+    y = jf(xs[0])
+    jf(xs[1])
+    jf(xs[2])
+    assert y.shape == (8,)
+    report = explain(jf)
+    data = report.to_dict()
+    assert [(p["device"], p["shared"], p["graphs"]) for p in data["pools"]] == [
+        (str(backend.device), True, 1),
+        (str(backend.device), False, 1),
+    ]
+    assert report.pool_bytes == sum(p["bytes"] for p in data["pools"])
+    text = str(report)
+    assert "(shared): 1 graph(s)" in text and "(own): 1 graph(s)" in text and "peak raised by" in text
+    if backend.name == "emulate":  # the CPU has no allocator statistics
+        assert report.peak_added_bytes == 0
+
+
 def test_explain_says_why_it_has_no_trace_to_report(backend):
     jf = jit(lambda x: x.sin() * 2 + 1, backend.executor)
     assert "not called yet" in str(explain(jf))
@@ -527,10 +550,17 @@ def test_explain_rejects_what_thunder_did_not_compile():
 def test_explain_reports_pool_memory_on_the_gpu():
     model = mlp(4, 256).cuda()
     jm = jit(model, BACKENDS["cuda"].executor)
+    xs = [torch.randn(64, 256, device="cuda") for _ in range(3)]  # kept: each call's input is at a new address
+    torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
-        for _ in range(3):
-            jm(torch.randn(64, 256, device="cuda"))
-    assert explain(jm).pool_bytes > 0
+        jm(xs[0])  # the warm-up
+        before = torch.cuda.max_memory_allocated()
+        jm(xs[1])  # the capture: its input buffer and pool come on top of the warm-up's memory
+        rise = torch.cuda.max_memory_allocated() - before
+        jm(xs[2])
+    report = explain(jm)
+    assert report.pool_bytes > 0
+    assert 0 < report.peak_added_bytes <= rise
 
 
 def test_the_version_is_the_packages():

@@ -149,6 +149,11 @@ def test_step_patterns_match_thunder_and_replay(backend, pattern):
     assert isinstance(report, StepReport)
     assert report.replays >= 4, report
     assert report.not_captured is None
+    assert "peak raised by" in str(report)
+    if backend.name == "cuda":  # the capture's argument buffers and pool come on top of what the warm-up used
+        assert report.pool_bytes > 0 and report.peak_added_bytes > 0
+    else:  # the CPU has no allocator statistics
+        assert report.peak_added_bytes == 0
 
 
 def test_a_gpt_step_matches_thunder(backend):

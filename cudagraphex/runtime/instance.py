@@ -87,6 +87,7 @@ class Instance:
         self.pick_guarded = picker(guarded)
         self.num_copied = len(copied)
         self.pick_copied = picker(copied)
+        peak_before = region.backend.peak_allocated_bytes(region.device)
         graph_args = list(args)
         #: Per copied input, the buffer the graph reads it from, and the dims along which it is expanded (its buffer
         #: holds one element along each).
@@ -119,6 +120,8 @@ class Instance:
         self.emulated = isinstance(self.graph, EmulatedGraph)
         self.capture_seconds = time.perf_counter() - start
         self.pool_bytes = region.backend.reserved_bytes(region.device) - before
+        #: How far the process's peak allocated memory rose while the input buffers were made and the graph captured.
+        self.peak_added = max(0, region.backend.peak_allocated_bytes(region.device) - peak_before)
         self.replays = 0
         info = region.info
         self.handout = Handout(outputs, args, read, info.output_names, info.input_names, info.returned)

@@ -257,12 +257,13 @@ class GraphedRegion:
         self.instances.append(inst)
         self.current = inst
         logger.info(
-            "%s: captured graph %d (%s) in %.1f ms, %.1f MiB of memory added%s",
+            "%s: captured graph %d (%s) in %.1f ms, %.1f MiB of memory added, peak raised by %.1f MiB%s",
             self.name,
             len(self.instances),
             why,
             inst.capture_seconds * 1e3,
             inst.pool_bytes / 2**20,
+            inst.peak_added / 2**20,
             "" if pool.shared else ", in a pool of its own",
         )
         return inst.replay(args, inst.pick_copied(args))

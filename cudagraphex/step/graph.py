@@ -377,6 +377,7 @@ class StepGraph:
         where the call's device work has not run), and why the step cannot be captured (None if it can)."""
         slots = self._slots
         graph = StepCapture()
+        peak_before = 0 if self.emulated else torch.cuda.max_memory_allocated()
         tensor_idx = [i for i, a in enumerate(flat) if is_tensor(a)]
         graph.pick_args = picker(tensor_idx)
         # Normal tensors, also under inference mode: the arguments the step writes are found by version counters.
@@ -412,6 +413,8 @@ class StepGraph:
         self._report.capture_ms = (time.perf_counter() - start) * 1e3
         added = 0 if self.emulated else torch.cuda.memory_reserved() - reserved
         self._report.pool_bytes += added
+        peak_added = 0 if self.emulated else max(0, torch.cuda.max_memory_allocated() - peak_before)
+        self._report.peak_added_bytes += peak_added
 
         flat_out, graph.out_spec = pytree.tree_flatten(out)
         problem = output_problem(flat_out, [*before, *flat, *graph.buffers])
@@ -433,10 +436,11 @@ class StepGraph:
         moved = unsettled(before, after)
         self._report.not_captured = None
         logger.info(
-            "step %s: captured in %.1f ms, %.1f MiB of memory added (capture %d)%s",
+            "step %s: captured in %.1f ms, %.1f MiB of memory added, peak raised by %.1f MiB (capture %d)%s",
             self.__name__,
             self._report.capture_ms,
             added / 2**20,
+            peak_added / 2**20,
             self._report.captures,
             f"; its state moved ({moved}), so the next call captures again" if moved else "",
         )

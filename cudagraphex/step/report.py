@@ -18,7 +18,11 @@ class StepReport:
     #: Calls that ran ``fn`` as is, by reason (warm-up included).
     plain_calls: dict[str, int] = field(default_factory=dict)
     capture_ms: float = 0.0
+    #: Memory the captures added to the step's pool (reserved by the allocator).
     pool_bytes: int = 0
+    #: How far the process's peak allocated memory (``torch.cuda.max_memory_allocated``) rose during the captures,
+    #: the argument buffers included; 0 where every capture stayed below an earlier peak, and on the CPU backend.
+    peak_added_bytes: int = 0
     #: Why the step is not replayed (None while it is).
     not_captured: str | None = None
     #: Graphs kept (one per input signature, modes and state layout).
@@ -33,7 +37,8 @@ class StepReport:
     def __str__(self) -> str:
         head = (
             f"cudagraphex step report for {self.function}: {self.captures} capture(s), {self.replays} replay(s),"
-            f" last capture {self.capture_ms:.1f} ms, {self.pool_bytes / 2**20:.1f} MiB of graph memory"
+            f" last capture {self.capture_ms:.1f} ms, {self.pool_bytes / 2**20:.1f} MiB of graph memory, peak raised"
+            f" by {self.peak_added_bytes / 2**20:.1f} MiB"
         )
         lines = [head, f"  {self.graphs} graph(s) kept"]
         if self.padded_calls:
