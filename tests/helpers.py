@@ -12,6 +12,7 @@ import thunder
 import torch
 from thunder.extend import register_executor
 
+from benchmarks.models import GPT, GPTConfig
 from cudagraphex import CUDAGraphExecutor, cudagraphex, inspect
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion
@@ -110,3 +111,13 @@ def install_cuda_device_guard() -> None:
     """
     if not torch.cuda.is_available():
         torch._C._ensureCUDADeviceGuardSet()
+
+
+def small_gpt(device: str) -> GPT:
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)).to(device)
+
+
+def with_item(x):
+    y = torch.sin(x) * 2 + 1
+    s = y.sum().item()  # a host read in the middle: the graph breaks here
+    return (torch.cos(y) * 3 + x).exp() * s

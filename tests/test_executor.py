@@ -1,8 +1,8 @@
-"""The executor: registration, options, regions and their reasons, static inputs, list positions, results."""
+"""The executor at run time: registration, options, list positions, inputs and outputs of graphs, results against
+eager."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import warnings
@@ -10,24 +10,26 @@ import weakref
 
 import pytest
 import thunder
-import thunder.torch as ltorch
 import torch
-from thunder.core import prims
 from thunder.extend import FusionExecutor, OperatorExecutor, get_executor, register_executor
 
-import cudagraphex.executor as executor_module
 from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
 from cudagraphex import CUDAGraphExecutor, cudagraphex, explain, inspect
-from cudagraphex.planning.regions import RegionSpec
-from cudagraphex.planning.rematerialization import refused_rematerialization
 from cudagraphex.planning.static_inputs import InputKind
-from tests.helpers import assert_grads_close, emulated, graphs, jit, num_graphs, regions, replays, twin
+from tests.helpers import (
+    assert_grads_close,
+    emulated,
+    graphs,
+    jit,
+    num_graphs,
+    regions,
+    replays,
+    small_gpt,
+    twin,
+    with_item,
+)
 
 POSITIONS = ["first", "last"]
-
-
-def small_gpt(device: str) -> GPT:
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)).to(device)
 
 
 def test_public_names_and_registration():
@@ -54,175 +56,6 @@ def test_public_names_and_registration():
 def test_invalid_options_raise_value_error(kwargs):
     with pytest.raises(ValueError):
         CUDAGraphExecutor("bad", **kwargs)
-
-
-def with_item(x):
-    y = torch.sin(x) * 2 + 1
-    s = y.sum().item()  # a host read in the middle: the graph breaks here
-    return (torch.cos(y) * 3 + x).exp() * s
-
-
-def test_item_splits_the_trace_and_records_why():
-    jf = jit(with_item, emulated)
-    for _ in range(3):
-        x = torch.randn(8)
-        torch.testing.assert_close(jf(x), with_item(x))
-    rs = regions(jf, emulated)
-    assert len(rs) == 2
-    breaks = [b for _, bs, _ in graphs(jf, emulated).traces for b in bs if not b.structural]
-    (item_break,) = [b for b in breaks if b.reason == "reads a device value on the host"]
-    assert item_break.source is not None and item_break.source.startswith(__file__)
-    # the multiplication by the host number uses it, so it stays out too
-    assert any("host value" in b.reason for b in breaks)
-    assert all(len(r.instances) == 1 for r in rs) and replays(jf, emulated) >= 2
-
-
-def test_regions_below_min_region_size_stay_eager():
-    ex = CUDAGraphExecutor("cudagraphex_min5", backend="emulate", min_region_size=5)
-
-    def f(x):
-        return (x * 2).sin()
-
-    jf = jit(f, ex)
-    x = torch.randn(4)
-    torch.testing.assert_close(jf(x), f(x))
-    assert regions(jf, ex) == []
-    (trace_breaks,) = [bs for _, bs, _ in graphs(jf, ex).traces]
-    assert any("min_region_size=5" in b.reason for b in trace_breaks)
-
-
-def test_can_fuse_override_keeps_symbols_out():
-    class NoSin(CUDAGraphExecutor):
-        def can_fuse(self, bsym):
-            return "sin" not in bsym.sym.name and super().can_fuse(bsym)
-
-    ex = NoSin("cudagraphex_nosin", backend="emulate")
-
-    def f(x):
-        y = x * 2 + 1
-        return torch.sin(y) * 3 - 1
-
-    jf = jit(f, ex)
-    for _ in range(3):
-        x = torch.randn(4)
-        torch.testing.assert_close(jf(x), f(x))
-    assert len(regions(jf, ex)) == 2
-    breaks = [b for _, bs, _ in graphs(jf, ex).traces for b in bs]
-    assert any(b.reason == "excluded by NoSin.can_fuse" for b in breaks)
-
-
-def test_static_inputs_are_decided_by_identity():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    jm = jit(model, emulated)
-    x = torch.randn(3, 4, requires_grad=True)
-    jm(x).sum().backward()
-    (fw,) = regions(jm, emulated, "forward")
-    (bw,) = regions(jm, emulated, "backward")
-    fw_kinds = dict(zip(fw.info.input_names, fw.kinds, strict=True))
-    assert fw_kinds["input"] is InputKind.CALLER
-    assert [k for n, k in fw_kinds.items() if n != "input"] == [InputKind.PARAMETER] * 4
-    bw_kinds = dict(zip(bw.info.input_names, bw.kinds, strict=True))
-    assert bw_kinds["input"] is InputKind.CALLER  # the caller's input, saved for backward
-    for name, kind in bw_kinds.items():
-        if "weight" in name:
-            assert kind is InputKind.PARAMETER
-        elif name in fw.info.output_names:
-            assert kind is InputKind.GRAPH_OUTPUT
-    cotangents = [n for n in bw.info.input_names if n not in fw.info.output_names and "weight" not in n]
-    assert cotangents and all(bw_kinds[n] is InputKind.CALLER for n in cotangents)  # "input" among them
-    assert InputKind.GRAPH_OUTPUT in bw_kinds.values()
-
-
-@pytest.mark.parametrize("recomputation_fused", [False, True])
-def test_rematerialization_between_graphs(monkeypatch, recomputation_fused):
-    # torchcompile_xentropy's fusion pass runs after cudagraphex's and rematerializes between its forward and backward
-    # graphs. Recomputation that no executor fuses would add a kernel per op to every backward: it is refused. Fused
-    # recomputation is kept, and the forward outputs the backward then reads stay static.
-    if recomputation_fused:
-        monkeypatch.setattr(executor_module, "_fused_by", lambda inner: lambda bsym: True)
-    model = small_gpt("cpu")
-    reference = twin(model)
-    jm = thunder.jit(model, executors=[emulated, *thunder.get_default_executors()])
-    for _ in range(3):
-        idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
-        loss, expected = jm(idx, targets), reference(idx, targets)
-        torch.testing.assert_close(loss, expected)
-        loss.backward()
-        expected.backward()
-        assert_grads_close(model, reference)
-        model.zero_grad()
-        reference.zero_grad()
-        del loss  # held across calls, it would make the next forward run eagerly (its graph output is in use)
-    specs = {r.info.phase: graphs(jm, emulated).fusions[r.name].spec for r in regions(jm, emulated)}
-    recomputed = {id(b) for b in specs["forward"].bound_symbols} & {id(b) for b in specs["backward"].bound_symbols}
-    assert bool(recomputed) is recomputation_fused
-    (fw,) = regions(jm, emulated, "forward")
-    (bw,) = regions(jm, emulated, "backward")
-    saved = [n for n in bw.info.input_names if n in fw.info.output_names]
-    assert len(saved) > 10
-    bw_kinds = dict(zip(bw.info.input_names, bw.kinds, strict=True))
-    # The forward graph's own memory stays static; a view of the caller's targets is the caller's tensor.
-    of_caller = {n for n, roots in specs["forward"].aliases.items() if roots <= {"idx", "targets"}}
-    assert recomputation_fused or of_caller & set(saved)  # recomputed in the backward when fused
-    expected = {n: InputKind.CALLER if n in of_caller else InputKind.GRAPH_OUTPUT for n in saved}
-    assert {n: bw_kinds[n] for n in saved} == expected
-    # A graph output nobody reads would hold its memory as long as the graph lives.
-    forward_trace = thunder.last_traces(jm)[-1]
-    readers = [b for b in forward_trace.bound_symbols if b.sym.name != fw.name and b.sym.id != prims.PrimIDs.DEL]
-    read = {p.name for b in readers for p in b.flat_proxy_args}
-    assert [n for n in fw.info.output_names if n not in read] == []
-    assert replays(jm, emulated) >= 4
-
-
-def _chain_regions():
-    """A producer region computing b = cos(sin(x)) and a consumer computing exp(b), as planned."""
-    trace = thunder.trace()(lambda x: x.sin().cos().exp(), torch.randn(3))
-    sin, cos, exp = (b for b in trace.bound_symbols if b.sym.name in ("sin", "cos", "exp"))
-    x, a, b = sin.args[0], sin.output, cos.output
-    producer = RegionSpec([sin, cos], [x], [b], "cpu", "forward")
-    consumer = RegionSpec([exp], [b], [exp.output], "cpu", "backward")
-    return producer, consumer, (sin, cos, exp), (x, a, b)
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_refused_rematerialization_is_decided_by_the_producer(fused):
-    # Rematerialization hands back a producer that returns a (the cut) instead of b, and a consumer that recomputes b.
-    producer, consumer, (sin, cos, exp), (x, a, b) = _chain_regions()
-    members, inputs, outputs = refused_rematerialization(producer, [sin, cos], [x], [a], [], lambda bsym: fused)
-    assert (members, inputs) == ([sin, cos], [x])
-    assert [p.name for p in outputs] == [a.name if fused else b.name]  # no output nobody reads
-    rebuilt = dataclasses.replace(producer, outputs=outputs)
-    members, inputs, outputs = refused_rematerialization(
-        consumer, [cos, exp], [a], [exp.output], [rebuilt], lambda bsym: fused
-    )
-    assert members == ([cos, exp] if fused else [exp])
-    assert [p.name for p in inputs] == [a.name if fused else b.name]
-
-
-def test_refused_rematerialization_never_reads_what_no_graph_returns():
-    producer, consumer, (_, cos, exp), (_, a, _) = _chain_regions()
-    gone = dataclasses.replace(producer, outputs=[])  # returns neither the cut nor what the consumer planned to read
-    with pytest.raises(RuntimeError, match=a.name):
-        refused_rematerialization(consumer, [cos, exp], [a], [exp.output], [gone], lambda bsym: False)
-
-
-def test_rematerialization_never_loses_a_member_without_inputs():
-    # Thunder rebuilds a rematerialized consumer through a topological sort that drops symbols without tensor inputs
-    # (zeros); the region would read an unbound name. The planned member is put back before its first reader.
-    trace = thunder.trace()(lambda x: ltorch.zeros(3, device=x.device, dtype=x.dtype) + x.exp(), torch.randn(3))
-    zeros, exp, add = (b for b in trace.bound_symbols if b.sym.name in ("zeros", "exp", "add"))
-    x = exp.args[0]
-    planned = RegionSpec([zeros, exp, add], [x], [add.output], "cpu", "backward")
-    members, inputs, outputs = refused_rematerialization(planned, [exp, add], [x], [add.output], [], lambda b: False)
-    assert (members, inputs, outputs) == ([exp, zeros, add], [x], [add.output])
-
-
-def test_refused_rematerialization_puts_back_the_members_of_the_outputs_it_keeps():
-    # Rematerialization hands back the producer without cos, whose output b it no longer returns; refused, the region
-    # returns b again and needs cos back.
-    producer, _, (sin, cos, _), (x, a, b) = _chain_regions()
-    members, inputs, outputs = refused_rematerialization(producer, [sin], [x], [a], [], lambda bsym: False)
-    assert (members, inputs, [p.name for p in outputs]) == ([sin, cos], [x], [b.name])
 
 
 def index_copy_into_an_input(x, cache, pos):
@@ -598,22 +431,3 @@ def test_last_position_wraps_another_executors_fusion():
     (region,) = regions(jm, emulated)
     assert region.info.num_ops == 4 and replays(jm, emulated) == 2
     assert "TorchCompile" in str(thunder.last_traces(jm)[-1])
-
-
-def test_inspect_shows_the_live_regions_and_graphs():
-    def f(x):
-        return (x.sin() * 2).cos() + 1
-
-    jf = jit(f, emulated)
-    x = torch.randn(4)
-    for _ in range(3):
-        jf(x)
-    view = inspect(jf)
-    (region,) = view.regions(emulated.name)
-    assert view.regions(emulated.name, phase="backward") == []
-    assert view.graphs("no such executor") == []
-    assert view.num_graphs() == view.num_graphs(emulated.name, "computation") == len(region.instances) == 1
-    assert view.num_graphs(emulated.name, "forward") == 0
-    assert view.replays() == region.instances[0].replays == 2  # the warm-up runs eagerly, the capture replays
-    with pytest.raises(TypeError, match="compiled by thunder"):
-        inspect(f)
