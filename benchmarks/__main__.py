@@ -4,7 +4,7 @@ On a GPU it runs the benchmarks, prints a table, and writes ``<out>/<date>-<gpu>
 one it says so and prints cudagraphex's capture plan for each workload instead. Every failure is printed with its
 whole traceback, and the last line says which tasks (or capture plans) failed unexpectedly.
 
-Exit status: 0 when nothing failed unexpectedly (failures listed in ``benchmarks.suite.EXPECTED_FAILURES`` and tasks
+Exit status: 0 when nothing failed unexpectedly (failures listed in ``benchmarks.schedule.EXPECTED_FAILURES`` and tasks
 skipped for the time budget do not count); 1 when a task or a capture plan failed unexpectedly; 2 for a usage error,
 such as an unknown name in ``--workloads``, ``--modes`` or ``--variants``.
 """
@@ -47,7 +47,7 @@ def _fill(text: str, **kwargs: str) -> str:
 
 def _help_epilog() -> str:
     """The names ``--workloads``, ``--modes`` and ``--variants`` take, the expected failures and the exit status."""
-    from benchmarks.suite import EXPECTED_FAILURES
+    from benchmarks.schedule import EXPECTED_FAILURES
     from benchmarks.variants import STEP_VARIANTS, VARIANTS, variant_modes
     from benchmarks.workloads import MODES, WORKLOADS
 
@@ -135,8 +135,9 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
     """Runs the benchmarks, prints the table, writes the results. ``device`` is for testing this on the CPU."""
     import torch
 
+    from benchmarks.measure import Options
     from benchmarks.report import host_breakdown_text, markdown_table, write_results
-    from benchmarks.suite import Options, Suite
+    from benchmarks.suite import Suite
     from benchmarks.variants import VARIANTS
 
     options = Options(

@@ -62,12 +62,12 @@ def run(steps: int = 200, *, seed: int = 0, device: torch.device | None = None) 
     import thunder
     from thunder.tests.nanogpt_model import GPT, GPTConfig
 
-    from benchmarks.suite import emulated_executor
-    from cudagraphex import cudagraphex, explain, graph_step
+    from benchmarks.variants import graph_backend, graph_executor
+    from cudagraphex import explain, graph_step
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
-    executor = cudagraphex if on_gpu else emulated_executor("cudagraphex_buckets")
+    executor = graph_executor(device)
     torch.manual_seed(seed)
     layers, width = (4, 128) if on_gpu else (1, 32)  # a tiny model on the CPU, for the tests
     config = GPTConfig(block_size=64, vocab_size=512, n_layer=layers, n_head=4, n_embd=width, dropout=0.0)
@@ -78,7 +78,7 @@ def run(steps: int = 200, *, seed: int = 0, device: torch.device | None = None) 
         with torch.no_grad():
             return compiled(tokens)[0]
 
-    step = graph_step(serve, capture_sizes=SIZES, backend="cuda" if on_gpu else "emulate")
+    step = graph_step(serve, capture_sizes=SIZES, backend=graph_backend(device))
     step.prepare(torch.randint(0, config.vocab_size, (3, WINDOW), device=device))
 
     def sync() -> None:

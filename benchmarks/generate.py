@@ -157,8 +157,9 @@ def _stepped(forward: Callable, model: torch.nn.Module) -> Callable:
 
     import cudagraphex
     from benchmarks.models import cache_state
+    from benchmarks.variants import graph_backend
 
-    backend = {} if next(model.parameters()).is_cuda else {"backend": "emulate"}
+    backend = graph_backend(next(model.parameters()).device)
     steps: dict[int, tuple[object, Callable]] = {}
 
     def logits(**kwargs: object) -> torch.Tensor:
@@ -171,7 +172,7 @@ def _stepped(forward: Callable, model: torch.nn.Module) -> Callable:
         cache_obj, step = steps.get(id(cache), (None, None))
         if cache_obj is not cache:
             state = cache_state(getattr(cache, "layers", ()))
-            step = cudagraphex.graph_step(logits, modules=[model, state], **backend)
+            step = cudagraphex.graph_step(logits, modules=[model, state], backend=backend)
             steps[id(cache)] = (cache, step)
         return CausalLMOutputWithPast(logits=step(**kwargs), past_key_values=cache)
 
@@ -203,12 +204,11 @@ def run(
     from transformers import LlamaForCausalLM
 
     from benchmarks.report import short_error
-    from benchmarks.suite import emulated_executor
-    from cudagraphex import cudagraphex
+    from benchmarks.variants import graph_executor
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda"
-    executor = cudagraphex if on_gpu else emulated_executor("cudagraphex_generate")
+    executor = graph_executor(device)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     model = LlamaForCausalLM(llama_1b_config(tiny=not on_gpu, layers=layers)).to(device=device, dtype=dtype).eval()

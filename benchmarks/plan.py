@@ -16,13 +16,6 @@ import torch
 __all__ = ["NO_GPU_MESSAGE", "show_plan"]
 
 NO_GPU_MESSAGE = "No CUDA GPU: replaying CUDA graphs needs one; showing the capture plan instead."
-PLAN_EXECUTOR_NAME = "cudagraphex_plan"
-
-
-def _plan_executor():
-    from benchmarks.suite import emulated_executor
-
-    return emulated_executor(PLAN_EXECUTOR_NAME)
 
 
 def show_plan(workloads: Sequence[str], modes: Sequence[str], out: Callable[[str], None] = print) -> list[str]:
@@ -33,10 +26,12 @@ def show_plan(workloads: Sequence[str], modes: Sequence[str], out: Callable[[str
     needs ``transformers`` is skipped when it is not installed; a workload that fails prints its whole traceback.
     Never raises for a workload's failure.
     """
-    from benchmarks.suite import rare_gc
+    from benchmarks.measure import rare_gc
+    from benchmarks.variants import graph_executor
 
+    cpu = torch.device("cpu")
     with rare_gc():
-        return _show(workloads, modes, out, _plan_executor(), torch.device("cpu"))
+        return _show(workloads, modes, out, graph_executor(cpu), cpu)
 
 
 def _show(

@@ -67,7 +67,7 @@ class Record:
     setup_s: float | None = None
     correct: bool | None = None
     error: str | None = None
-    #: When ``error`` is a failure the suite expects (``benchmarks.suite.EXPECTED_FAILURES``): its reason.
+    #: When ``error`` is a failure the suite expects (``benchmarks.schedule.EXPECTED_FAILURES``): its reason.
     expected_failure: str | None = None
     #: Largest relative error (norm of the difference over norm of eager's) among the compared tensors.
     rel_err: float | None = None

@@ -25,273 +25,51 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+from benchmarks.cases import Case
+from benchmarks.measure import (
+    MemoryBase,
+    Options,
+    Prepared,
+    block_us,
+    compare,
+    free_memory,
+    iters_per_block,
+    prepare,
+    rare_gc,
+    time_per_call_us,
+)
 from benchmarks.micro import MICRO_MEASUREMENTS, MICRO_WORKLOAD, run_micro
 from benchmarks.report import Record, full_error, short_error
+from benchmarks.schedule import (
+    MICRO_COST_S,
+    SKIPPED_FOR_TIME,
+    TASK_ORDER,
+    TIMED_AT_SETUP,
+    VARIANT_COST,
+    WORKLOAD_COST_S,
+    Budget,
+    expected_failure,
+)
 from benchmarks.variants import (
     GRAPH_VARIANTS,
     VARIANTS,
-    Case,
     Compiled,
     GraphStep,
     ManualGraph,
     device_time_per_call_us,
+    graph_executor,
     make_variant,
-    module_case,
     variant_modes,
 )
-from benchmarks.workloads import WORKLOADS, Setup, Workload
+from benchmarks.workloads import WORKLOADS, Workload
 
-__all__ = [
-    "EXPECTED_FAILURES",
-    "ExpectedFailure",
-    "Options",
-    "Prepared",
-    "Suite",
-    "compare",
-    "emulated_executor",
-    "expected_failure",
-    "free_memory",
-    "prepare",
-    "rare_gc",
-    "time_per_call_us",
-]
+__all__ = ["Suite"]
 
 SETUP_CALLS = 3
 MEMORY_CALLS = 3
-MAX_ITERS_PER_REP = 5000
-
-#: Variants in the order they are set up within a workload: reduce-overhead, cheap references, then the comparisons
-#: this suite exists for. The microbenchmark, when asked for, runs before the workloads.
-TASK_ORDER = (
-    ("torch.compile(reduce-overhead)",),  # first: the module docstring says why
-    ("eager", "manual-graph", "kernel-floor"),
-    ("thunder+cudagraphex", "thunder+CUDAGraphTransform"),
-    ("thunder+cudagraphex-step", "thunder+wholestep(unsafe)"),
-    ("thunder", "thunder+cudagraphex(last)"),
-    ("thunder+cudagraphex+PruneParameterChecks", "torch.compile"),
-    ("thunder+torchcompile+cudagraphex", "thunder+torchcompile+cudagraphex-step"),
-    ("thunder+torchcompile+wholestep(unsafe)",),
-)
-
-#: Rough seconds a task takes on an H200 host (compilation dominates), for the budget. Per workload: the cost of a
-#: plain Thunder variant over all its modes; per variant: a multiple of it (the whole-step variants compile and run
-#: the training step only). The run rescales these by what it sees.
-_WORKLOAD_COST_S = {
-    "mlp16x256-b8": 6,
-    "nanogpt6-d256-t32-b1": 18,
-    "nanogpt-thunder-tests": 14,
-    "llama-decode": 10,
-    "llama1b-4l-train": 40,
-    "gpt2-124m": 36,
-    "gpt12-d1024-b8-t512": 36,
-}
-_VARIANT_COST = {
-    "eager": 0.25,
-    "manual-graph": 0.3,
-    "kernel-floor": 0.2,
-    "thunder": 1.0,
-    "thunder+CUDAGraphTransform": 1.0,
-    "thunder+cudagraphex": 1.1,
-    "thunder+cudagraphex(last)": 1.1,
-    "thunder+cudagraphex+PruneParameterChecks": 1.1,
-    "torch.compile": 1.5,
-    "torch.compile(reduce-overhead)": 1.5,
-    "thunder+torchcompile+cudagraphex": 2.0,
-    "thunder+wholestep(unsafe)": 0.6,
-    "thunder+cudagraphex-step": 0.9,
-    "thunder+torchcompile+cudagraphex-step": 1.5,
-    "thunder+torchcompile+wholestep(unsafe)": 1.1,
-}
-MICRO_COST_S = 15.0
-#: Variants timed right after their setup instead of in the rounds: the rounds need a second case of the compiled
-#: model, and a second train_bwd case of reduce-overhead's failed in CUDA-graph trees ("invalid device pointer", H200).
-TIMED_AT_SETUP = frozenset({"torch.compile(reduce-overhead)"})
-
-
-@dataclass(frozen=True)
-class ExpectedFailure:
-    """A known failure of one (workload, mode, variant): recorded with its reason, it does not fail the job."""
-
-    workload: str
-    mode: str
-    variant: str
-    #: Matches an error whose text (``"<type>: <message>"``) contains this.
-    error: str
-    #: One line: why it fails, and why that is not this suite's or cudagraphex's to fix.
-    reason: str
-
-
-#: Every failure the main job expects. Any other failure of a requested task (an error that is not a skip for time)
-#: is unexpected and makes the job exit with status 1.
-EXPECTED_FAILURES = (
-    ExpectedFailure(
-        "nanogpt6-d256-t32-b1",
-        "train_bwd",
-        "thunder+CUDAGraphTransform",
-        "modified by an inplace operation",
-        "Thunder 0.2.6's CUDAGraphTransform: a second train_bwd case of one compiled model (the timing rounds make "
-        "one) fails autograd's version check",
-    ),
-)
-
-
-def expected_failure(workload: str, mode: str, variant: str, error: str) -> ExpectedFailure | None:
-    """The entry of :data:`EXPECTED_FAILURES` that ``error`` (the text of a failure of that task) matches, if any."""
-    for known in EXPECTED_FAILURES:
-        if (known.workload, known.mode, known.variant) == (workload, mode, variant) and known.error in error:
-            return known
-    return None
-
-
-@dataclass(frozen=True)
-class Options:
-    """How long to measure. ``budget_s`` (0: none) bounds the wall time of all tasks together."""
-
-    reps: int = 15
-    quick: bool = False
-    budget_s: float = 450.0
-
-    @property
-    def warmup_calls(self) -> int:
-        return 1 if self.quick else 3
-
-    @property
-    def rep_target_s(self) -> float:
-        return 0.02 if self.quick else 0.05
-
-    @property
-    def profile_calls(self) -> int:
-        return 5 if self.quick else 10
-
-
-def tolerance(dtype: torch.dtype) -> float:
-    return 1e-3 if dtype == torch.float32 else 5e-2
-
-
-def compare(
-    got: Sequence[torch.Tensor | None], expected: Sequence[torch.Tensor | None], dtype: torch.dtype
-) -> tuple[bool, float]:
-    """Whether ``got`` matches eager's ``expected`` within the tolerance of ``dtype``; and the largest relative error.
-
-    The relative error of a tensor is ``|got - expected| / (|expected| + 1e-6 sqrt(n))`` (Frobenius norms), which
-    judges a whole gradient at once instead of its smallest elements. A missing tensor, a shape mismatch or a
-    non-finite value is never correct.
-    """
-    if len(got) != len(expected):
-        return False, float("inf")
-    worst = 0.0
-    for g, e in zip(got, expected, strict=True):
-        if g is None or e is None:
-            if g is not e:
-                return False, float("inf")
-            continue
-        if g.shape != e.shape:
-            return False, float("inf")
-        g, e = g.detach().double(), e.detach().double()
-        if not bool(torch.isfinite(g).all()):
-            return False, float("inf")
-        floor = 1e-6 * max(1, e.numel()) ** 0.5
-        worst = max(worst, float((g - e).norm() / (e.norm() + floor)))
-    return worst <= tolerance(dtype), worst
-
-
-def _iters_per_block(call: Callable[[], None], sync: Callable[[], None], options: Options) -> int:
-    """Warms ``call`` up, then how many calls make a block of about ``options.rep_target_s``, from the fastest of
-    three timed calls: a whole-step variant may still capture at one of them, and a block sized by a capture would
-    hold one call, which times a call's latency (host and device in turn) instead of its throughput."""
-    for _ in range(options.warmup_calls):
-        call()
-    single = float("inf")
-    for _ in range(3):
-        sync()
-        start = time.perf_counter()
-        call()
-        sync()
-        single = min(single, time.perf_counter() - start)
-    return max(1, min(MAX_ITERS_PER_REP, int(options.rep_target_s / max(single, 1e-7))))
-
-
-def _block_us(call: Callable[[], None], iters: int, sync: Callable[[], None]) -> float:
-    sync()
-    start = time.perf_counter()
-    for _ in range(iters):
-        call()
-    sync()
-    return (time.perf_counter() - start) / iters * 1e6
-
-
-def time_per_call_us(call: Callable[[], None], sync: Callable[[], None], options: Options) -> float:
-    """The median over ``options.reps`` synchronized blocks of calls of the wall time per call, in microseconds."""
-    iters = _iters_per_block(call, sync, options)
-    return statistics.median(_block_us(call, iters, sync) for _ in range(max(1, options.reps)))
-
-
-#: How a task skipped for the time budget starts its error (not a failure: ``--merge`` measures it later).
-SKIPPED_FOR_TIME = "skipped: over the time budget"
-
-
-class Budget:
-    """Decides whether a task still fits in the time left, from its expected cost scaled by how the run is going."""
-
-    def __init__(self, total_s: float) -> None:
-        self.total_s = total_s
-        self.start = time.monotonic()
-        self._expected = 0.0
-        self._actual = 0.0
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.start
-
-    def scale(self) -> float:
-        if self._expected < 10.0:
-            return 1.0
-        return min(4.0, max(0.5, self._actual / self._expected))
-
-    def fits(self, expected_s: float) -> bool:
-        return self.total_s <= 0 or self.elapsed() + expected_s * self.scale() <= self.total_s
-
-    def overrun(self) -> bool:
-        """Past the budget by more than a grace period: stop even inside a task (between modes)."""
-        return self.total_s > 0 and self.elapsed() > self.total_s + 30.0
-
-    def spent(self, expected_s: float, actual_s: float) -> None:
-        self._expected += expected_s
-        self._actual += actual_s
-
-
-@dataclass
-class Prepared:
-    """A workload built once per run, with eager's results for each mode (the correctness reference)."""
-
-    setup: Setup
-    modes: tuple[str, ...]
-    #: The cotangent training modes backpropagate: 1 for a scalar loss, a fixed random tensor for other outputs.
-    grad_out: torch.Tensor | None
-    expected: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)
-
-
-def prepare(workload: Workload, modes: Sequence[str], device: torch.device) -> Prepared:
-    """Builds ``workload`` on ``device`` and runs eager once per mode in ``modes`` (those it supports) for the
-    reference results. Raises whatever building or running raises."""
-    setup = workload.build(device, False)
-    modes = tuple(m for m in modes if m in workload.modes)
-    model = setup.fresh_model()
-    grad_out = None
-    if any(m != "inference" for m in modes):
-        torch.manual_seed(1)
-        out = model(*setup.train_args)
-        grad_out = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
-        del out
-    prepared = Prepared(setup, modes, grad_out)
-    for mode in modes:
-        case = module_case(model, model, mode, setup.args(mode), grad_out)
-        prepared.expected[mode] = case.collect()
-        case.close()
-    return prepared
 
 
 class Suite:
@@ -336,7 +114,7 @@ class Suite:
         self._prepared: dict[str, Prepared | BaseException] = {}
         #: The compiled objects of the current workload, in setup order, kept for interleaved timing.
         self._compiled: list[tuple[str, Compiled | ManualGraph]] = []
-        self.graph_executor = _graph_executor(self.device)
+        self.graph_executor = graph_executor(self.device)
         self.checkpoint: Callable[[list[Record]], object] = lambda records: None
 
     # -- what runs -------------------------------------------------------------------------------------------------
@@ -399,7 +177,7 @@ class Suite:
         if self.broken:
             self._skip(workload, variant, modes, f"skipped: the CUDA context failed earlier ({self.broken})")
             return
-        expected_s = _WORKLOAD_COST_S.get(workload.name, 10) * _VARIANT_COST.get(variant, 1.0)
+        expected_s = WORKLOAD_COST_S.get(workload.name, 10) * VARIANT_COST.get(variant, 1.0)
         if not self.budget.fits(expected_s):
             reason = f"{SKIPPED_FOR_TIME} (--budget-s {self.options.budget_s:g})"
             self._skip(workload, variant, modes, reason)
@@ -431,7 +209,7 @@ class Suite:
     def _run_variant(self, workload: Workload, variant: str, prepared: Prepared) -> None:
         setup = prepared.setup
         compiled: Compiled | ManualGraph | None = None
-        base = _MemoryBase.now(self.device)
+        base = MemoryBase.now(self.device)
         try:
             compiled = make_variant(variant, setup.fresh_model, self.graph_executor)
         except Exception as e:  # noqa: BLE001 - recorded; the run goes on
@@ -456,7 +234,7 @@ class Suite:
         del compiled
         gc.collect()
 
-    def _measure(self, record: Record, compiled: Compiled | ManualGraph, prepared: Prepared, base: _MemoryBase) -> None:
+    def _measure(self, record: Record, compiled: Compiled | ManualGraph, prepared: Prepared, base: MemoryBase) -> None:
         """The measurements of the module docstring for one mode (kernel-floor: its GPU time instead)."""
         mode, setup = record.mode, prepared.setup
         case: Case | None = None
@@ -536,7 +314,7 @@ class Suite:
                         break
                     try:
                         case = compiled.case(mode, prepared.setup.args(mode), prepared.grad_out)
-                        cases[variant] = (case, _iters_per_block(case.call, self._sync, self.options), record)
+                        cases[variant] = (case, iters_per_block(case.call, self._sync, self.options), record)
                     except Exception as e:  # noqa: BLE001 - recorded; the other variants go on
                         self._failed([record], e, f"{workload.name} / {variant} / {mode}: timing", "timing: ")
                 times: dict[str, list[float]] = {variant: [] for variant in cases}
@@ -545,7 +323,7 @@ class Suite:
                         if record.error is not None or self.broken:
                             continue
                         try:
-                            times[variant].append(_block_us(case.call, iters, self._sync))
+                            times[variant].append(block_us(case.call, iters, self._sync))
                         except Exception as e:  # noqa: BLE001 - recorded; the other variants go on
                             self._failed([record], e, f"{workload.name} / {variant} / {mode}: timing", "timing: ")
                 for variant, (_, _, record) in cases.items():
@@ -614,34 +392,6 @@ class Suite:
         free_memory(self.device)
 
 
-@dataclass(frozen=True)
-class _MemoryBase:
-    """Bytes allocated and reserved on a device at one moment (zeros off CUDA)."""
-
-    allocated: int
-    reserved: int
-
-    @staticmethod
-    def now(device: torch.device) -> _MemoryBase:
-        if device.type != "cuda":
-            return _MemoryBase(0, 0)
-        return _MemoryBase(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
-
-
-@contextlib.contextmanager
-def rare_gc():
-    """Collects garbage rarely while compiling: Thunder's tracing allocates millions of short-lived objects and the
-    default thresholds make the collector a sizeable part of compile time. Timing runs with the default thresholds,
-    so that garbage cycles holding GPU memory are freed as usual."""
-    thresholds = gc.get_threshold()
-    gc.set_threshold(max(thresholds[0], 100_000), *thresholds[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*thresholds)
-        gc.collect()
-
-
 def _graph_warnings(caught: Sequence[warnings.WarningMessage]) -> list[str]:
     """Warnings that say a graph was not used (cudagraphex capture failures, graph budgets, cudagraph skips)."""
     seen = []
@@ -682,41 +432,3 @@ def _cudagraphex_summary(fn) -> str:
     if failed:
         text += f", capture failed in {', '.join(failed)}"
     return text
-
-
-def _graph_executor(device: torch.device):
-    """cudagraphex on a GPU; on the CPU (testing the suite itself) an executor with the emulated replay backend."""
-    if device.type == "cuda":
-        from cudagraphex import cudagraphex
-
-        return cudagraphex
-    return emulated_executor("cudagraphex_bench_emulate")
-
-
-def emulated_executor(name: str):
-    """The CPU-replay cudagraphex executor registered as ``name`` (created and registered on first use)."""
-    from thunder.extend import get_executor, register_executor
-
-    from cudagraphex import CUDAGraphExecutor
-
-    existing = get_executor(name)
-    if existing is not None:
-        return existing
-    executor = CUDAGraphExecutor(name, backend="emulate")
-    register_executor(executor)
-    return executor
-
-
-def free_memory(device: torch.device) -> None:
-    """Collects garbage and, on a GPU, releases cuBLAS's workspaces and hands the allocator's cached blocks back;
-    never raises (a failed CUDA context is reported by the suite's health check).
-
-    cuBLAS keeps a workspace per stream, and every capture on a side stream adds one. ``torch.compile(mode=
-    "reduce-overhead")`` releases them all when it records, which made its peak memory negative (about -380 MiB on the
-    H200). Released before every variant, each variant's peak includes the workspaces it uses itself."""
-    gc.collect()
-    if device.type == "cuda":
-        with contextlib.suppress(Exception):  # a failed context raises here too; _check_health reports it
-            torch.cuda.synchronize(device)
-            torch._C._cuda_clearCublasWorkspaces()
-            torch.cuda.empty_cache()

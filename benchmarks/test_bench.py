@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.suite import Prepared, compare, free_memory, prepare
+from benchmarks.measure import Prepared, compare, free_memory, prepare
 from benchmarks.variants import Compiled, ManualGraph, make_variant
 from benchmarks.workloads import WORKLOADS, transformers_available
 

@@ -1,21 +1,7 @@
 """The variants: how each one compiles a model, and how it runs one call of each mode.
 
-A variant turns a model into a :class:`Case` per mode. ``Case.call`` runs one call and drops what it returns (a
-caller that keeps outputs would make graph runtimes copy them); ``Case.collect`` runs one call (two in
-``train_step``) and returns copies of what the correctness check compares with eager: the output for ``inference`` and
-``train_fwd``, the parameter gradients for ``train_bwd``; for ``train_step``, see below.
-
-Per-mode work is the same for every variant:
-
-* ``inference``: ``model(*args)`` under ``torch.no_grad``.
-* ``train_fwd``: ``model(*args)`` with autograd recording; the output and its graph are dropped.
-* ``train_bwd``: the forward runs once when the case is made; each call is
-  ``torch.autograd.grad(out, params, grad_out, retain_graph=True)``, which returns the gradients instead of
-  accumulating them into ``.grad``, so every call does the same work.
-* ``train_step``: ``out = model(*args)``, ``out.backward(grad_out)``, ``opt.step()``,
-  ``opt.zero_grad(set_to_none=True)``, with the case's own AdamW (:func:`make_optimizer`, :func:`train_step`).
-  ``collect`` starts from the state the case started from (:meth:`_StepStart.collect`), so that every variant
-  compares the same step: the output, the gradients (as AdamW's first moments) and the output after the step.
+A variant turns a model into a :class:`~benchmarks.cases.Case` per mode; ``benchmarks.cases`` says what a call of
+each mode runs, the same for every variant, and what the correctness check compares.
 
 The whole-step variants (:data:`STEP_VARIANTS`) run ``train_step``; those through ``graph_step`` run ``inference`` too
 (:func:`variant_modes`).
@@ -46,18 +32,27 @@ forward) through ``cudagraphex.graph_step``, which captures it whole after warm-
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from benchmarks.cases import (
+    Case,
+    StepStart,
+    check_mode,
+    copy_of,
+    make_optimizer,
+    module_case,
+    no_op,
+    params_of,
+    train_step,
+)
 from benchmarks.workloads import MODES
 
 __all__ = [
     "GRAPH_VARIANTS",
     "STEP_VARIANTS",
     "VARIANTS",
-    "Case",
     "Compiled",
     "CompiledPerPhase",
     "GraphStep",
@@ -65,11 +60,10 @@ __all__ = [
     "WholeStep",
     "compile_variant",
     "device_time_per_call_us",
-    "make_optimizer",
+    "graph_backend",
+    "graph_executor",
     "make_variant",
-    "module_case",
     "thunder_options",
-    "train_step",
     "variant_modes",
 ]
 
@@ -107,8 +101,29 @@ GRAPH_VARIANTS = (
 )
 
 
-def _no_op() -> None:
-    return None
+#: The executor the benchmarks use on the CPU: cudagraphex with its CPU replay backend.
+EMULATED_EXECUTOR = "cudagraphex_bench_cpu"
+
+
+def graph_backend(device: torch.device) -> str:
+    """cudagraphex's capture backend on ``device``: CUDA graphs on a GPU; on the CPU (the suite's own tests, the
+    capture plan) the CPU replay backend."""
+    return "cuda" if device.type == "cuda" else "emulate"
+
+
+def graph_executor(device: torch.device):
+    """The cudagraphex executor with :func:`graph_backend`'s backend for ``device`` (registered on first use)."""
+    from thunder.extend import get_executor, register_executor
+
+    import cudagraphex
+
+    if graph_backend(device) == "cuda":
+        return cudagraphex.cudagraphex
+    executor = get_executor(EMULATED_EXECUTOR)
+    if executor is None:
+        executor = cudagraphex.CUDAGraphExecutor(EMULATED_EXECUTOR, backend="emulate")
+        register_executor(executor)
+    return executor
 
 
 def variant_modes(name: str) -> tuple[str, ...]:
@@ -119,172 +134,10 @@ def variant_modes(name: str) -> tuple[str, ...]:
     return ("inference", "train_step") if name.endswith("-step") else ("train_step",)
 
 
-def _only(mode: str, modes: tuple[str, ...]) -> None:
-    if mode not in modes:
-        raise ValueError(f"mode {mode!r} is not applicable: this variant runs {', '.join(modes)} only")
-
-
-def _backward_only_case(out: torch.Tensor, params: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
-    """``train_bwd``: each call replays the backward of the one forward that produced ``out``."""
-    held = {"out": out}
-
-    def grads() -> tuple[torch.Tensor | None, ...]:
-        return torch.autograd.grad(held["out"], params, grad_out, retain_graph=True, allow_unused=True)
-
-    def call() -> None:
-        grads()
-
-    return Case(call, lambda: [_copy(g) for g in grads()], held.clear)
-
-
-@dataclass
-class Case:
-    """One variant in one mode, ready to run. Call :attr:`close` when done, to free what the case holds."""
-
-    call: Callable[[], None]
-    collect: Callable[[], list[torch.Tensor | None]]
-    close: Callable[[], None] = field(default=_no_op)
-
-
-def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().clone()
-
-
-def _params(module: nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in module.parameters() if p.requires_grad]
-
-
-def module_case(
-    fn: Callable[..., torch.Tensor],
-    module: nn.Module,
-    mode: str,
-    args: Sequence[torch.Tensor],
-    grad_out: torch.Tensor | None,
-    before_call: Callable[[], None] = _no_op,
-) -> Case:
-    """The case of mode ``mode`` for ``fn``, a callable with the signature of ``module`` that uses its parameters.
-
-    ``before_call`` runs before every call of ``fn`` (``torch.compiler.cudagraph_mark_step_begin`` for
-    reduce-overhead). Training modes need ``grad_out``, the cotangent of the output. ``train_bwd`` runs the forward
-    once, here.
-    """
-    params = _params(module)
-
-    if mode == "inference":
-
-        def forward() -> torch.Tensor:
-            before_call()
-            with torch.no_grad():
-                return fn(*args)
-
-        def call() -> None:
-            forward()
-
-        return Case(call, lambda: [_copy(forward())])
-
-    if mode == "train_fwd":
-
-        def call() -> None:
-            before_call()
-            fn(*args)
-
-        def collect() -> list[torch.Tensor | None]:
-            before_call()
-            return [_copy(fn(*args))]
-
-        return Case(call, collect)
-
-    if mode == "train_bwd":
-        before_call()
-        return _backward_only_case(fn(*args), params, grad_out)
-
-    if mode == "train_step":
-        opt = make_optimizer(params)
-        step = train_step(fn, opt, grad_out, before_call)
-        return _StepStart(params, opt).case(lambda: step(*args))
-
-    raise ValueError(f"unknown mode {mode!r}")
-
-
-def make_optimizer(params: Sequence[torch.nn.Parameter]) -> torch.optim.AdamW:
-    """The optimizer of a ``train_step`` case: ``AdamW(params, lr=1e-3, capturable=True, foreach=True)`` on CUDA
-    (capturable: its step counter stays on the device, which graph capture needs). AdamW is capturable on CUDA only; on
-    the CPU (the suite's own tests) it is the fused AdamW, whose step counter is a tensor too, so that there as well a
-    step reads no value back to the host."""
-    if any(p.is_cuda for p in params):
-        return torch.optim.AdamW(params, lr=1e-3, capturable=True, foreach=True)
-    return torch.optim.AdamW(params, lr=1e-3, fused=True)
-
-
-def train_step(
-    fn: Callable[..., torch.Tensor],
-    opt: torch.optim.Optimizer,
-    grad_out: torch.Tensor | None,
-    before_call: Callable[[], None] = _no_op,
-) -> Callable[..., torch.Tensor]:
-    """The ``train_step`` call of every variant: ``step(*args)`` runs ``before_call()``, ``out = fn(*args)``,
-    ``out.backward(grad_out)``, ``opt.step()``, ``opt.zero_grad(set_to_none=True)``, and returns ``out``.
-
-    The gradients are None between calls, so each call's backward allocates them afresh; whole-step graphs capture
-    this same function (the captured ``zero_grad`` drops the references to gradients the graph's pool holds).
-    """
-
-    def train_step_call(*args: torch.Tensor) -> torch.Tensor:
-        before_call()
-        out = fn(*args)
-        out.backward(grad_out)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return out
-
-    return train_step_call
-
-
-class _StepStart:
-    """The state a ``train_step`` case starts from: its parameters (copied to the host when the case is made) and its
-    optimizer's state, all zeros (a fresh AdamW's state, once it exists)."""
-
-    def __init__(self, params: Sequence[torch.nn.Parameter], opt: torch.optim.Optimizer) -> None:
-        self.params = params
-        self.opt = opt
-        # On the host: the copy would otherwise count in the variant's peak GPU memory.
-        self.values = [p.detach().to("cpu", copy=True) for p in params]
-
-    def collect(self, step: Callable[[], torch.Tensor]) -> list[torch.Tensor | None]:
-        """Puts the parameters and the optimizer state back to the start, in place (graphs keep their addresses), runs
-        ``step`` twice, and returns copies of: the first call's output; every parameter's first moment after it
-        (``exp_avg``, which one step from zero state makes (1 - beta1) x the gradient); the second call's output,
-        computed with the parameters the first call's optimizer step made.
-
-        The parameters are not compared directly: AdamW's first update is about ``lr`` in every element whatever its
-        gradient (``lr * g / (|g| + eps)``), so where the gradient is rounding noise (an attention's key bias, whose
-        gradient is zero in exact arithmetic) variants differ by up to ``2 * lr``; the output after the step does not
-        depend on those elements."""
-        with torch.no_grad():
-            for p, value in zip(self.params, self.values, strict=True):
-                p.copy_(value)
-            for state in self.opt.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        value.zero_()
-        first = _copy(step())
-        state = self.opt.state
-        moments = [_copy(state[p]["exp_avg"]) if p in state else None for p in self.params]
-        return [first, *moments, _copy(step())]
-
-    def case(self, step: Callable[[], torch.Tensor], close: Callable[[], None] = _no_op) -> Case:
-        """The case whose calls run ``step`` and whose :meth:`collect` starts from this state."""
-
-        def call() -> None:
-            step()
-
-        return Case(call, lambda: self.collect(step), close)
-
-
 class Compiled:
     """A model compiled by one variant; :meth:`case` makes the case of a mode (the compiled object is reused)."""
 
-    def __init__(self, module: nn.Module, fn: Callable, before_call: Callable[[], None] = _no_op) -> None:
+    def __init__(self, module: nn.Module, fn: Callable, before_call: Callable[[], None] = no_op) -> None:
         self.module = module
         self.fn = fn
         self.before_call = before_call
@@ -403,9 +256,9 @@ def _graphed_step_case(
     """``train_step`` captured by hand: :func:`train_step` of ``fn`` (``module`` or a compiled form of it) on input
     buffers, warmed up and captured whole into one graph by :func:`_capture`; a call copies the inputs into the buffers
     and replays. Nothing checks that a replay is still valid."""
-    params = _params(module)
+    params = params_of(module)
     opt = make_optimizer(params)
-    start = _StepStart(params, opt)
+    start = StepStart(params, opt)
     static_args = [a.clone() for a in args]
     step = train_step(fn, opt, grad_out)
     graph, out = _capture(lambda: step(*static_args), no_grad=False)
@@ -427,7 +280,7 @@ class WholeStep(Compiled):
     module."""
 
     def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
-        _only(mode, ("train_step",))
+        check_mode(mode, ("train_step",))
         return _graphed_step_case(self.fn, self.module, args, grad_out)
 
 
@@ -435,7 +288,7 @@ class GraphStep(CompiledPerPhase):
     """The ``-step`` variants: :func:`train_step` (in ``inference``, the no-grad forward) of a Thunder-compiled module
     run through ``cudagraphex.graph_step``, which runs the first calls as they are, then captures the whole call once
     and replays it while its guards hold. Every case makes a new step graph; :attr:`step` is that of the open case (for
-    its report). On the CPU it uses cudagraphex's emulating backend."""
+    its report)."""
 
     def __init__(self, module: nn.Module, make: Callable[[nn.Module], Callable]) -> None:
         super().__init__(module, make)
@@ -444,9 +297,9 @@ class GraphStep(CompiledPerPhase):
     def case(self, mode: str, args: Sequence[torch.Tensor], grad_out: torch.Tensor | None) -> Case:
         import cudagraphex
 
-        _only(mode, ("inference", "train_step"))
+        check_mode(mode, ("inference", "train_step"))
         fn = self.fn_for(mode)
-        backend = {} if any(p.is_cuda for p in self.module.parameters()) else {"backend": "emulate"}
+        backend = graph_backend(next(self.module.parameters()).device)
 
         def close() -> None:
             if self.step is step:  # the graph's pool (and the optimizer state) go with the case
@@ -458,12 +311,14 @@ class GraphStep(CompiledPerPhase):
                 with torch.no_grad():
                     return fn(*a)
 
-            step = self.step = cudagraphex.graph_step(forward, modules=[self.module], **backend)
-            return Case(lambda: step(*args), lambda: [_copy(step(*args))], close)
-        params = _params(self.module)
+            step = self.step = cudagraphex.graph_step(forward, modules=[self.module], backend=backend)
+            return Case(lambda: step(*args), lambda: [copy_of(step(*args))], close)
+        params = params_of(self.module)
         opt = make_optimizer(params)
-        start = _StepStart(params, opt)
-        step = cudagraphex.graph_step(train_step(fn, opt, grad_out), modules=[self.module], optimizers=[opt], **backend)
+        start = StepStart(params, opt)
+        step = cudagraphex.graph_step(
+            train_step(fn, opt, grad_out), modules=[self.module], optimizers=[opt], backend=backend
+        )
         self.step = step
         return start.case(lambda: step(*args), close)
 
@@ -478,7 +333,7 @@ class ManualGraph:
         module = self.fresh_model()
         if mode == "train_step":
             return _graphed_step_case(module, module, args, grad_out)
-        params = _params(module)
+        params = params_of(module)
         static_args = [a.clone() for a in args]
         # A graph holds addresses, not tensors: the case keeps the module (parameters), the input buffers and the
         # forward's autograd graph (its saved tensors) alive until it is closed.
@@ -497,7 +352,7 @@ class ManualGraph:
 
             def collect() -> list[torch.Tensor | None]:
                 replay()
-                return [_copy(out)]
+                return [copy_of(out)]
 
             return Case(replay, collect, kept.clear)
 
@@ -507,7 +362,7 @@ class ManualGraph:
             def call() -> None:
                 graphed(*args)
 
-            return Case(call, lambda: [_copy(graphed(*args))], kept.clear)
+            return Case(call, lambda: [copy_of(graphed(*args))], kept.clear)
 
         if mode == "train_bwd":
             # Autograd runs a backward op on the stream of its forward op: the forward runs (once, eagerly) on the
@@ -525,7 +380,7 @@ class ManualGraph:
 
             def collect_grads() -> list[torch.Tensor | None]:
                 graph.replay()
-                return [_copy(g) for g in static_grads]
+                return [copy_of(g) for g in static_grads]
 
             return Case(graph.replay, collect_grads, kept.clear)
 

@@ -20,7 +20,7 @@ __all__ = ["MODES", "TRAINING_MODES", "WORKLOADS", "Setup", "Workload", "transfo
 
 #: ``inference``: a forward pass under ``torch.no_grad``. ``train_fwd``: the forward pass with autograd recording.
 #: ``train_bwd``: the backward pass alone, repeated on one retained forward graph. ``train_step``: forward, backward,
-#: an AdamW step, ``zero_grad(set_to_none=True)`` (``benchmarks.variants.train_step``).
+#: an AdamW step, ``zero_grad(set_to_none=True)`` (``benchmarks.cases.train_step``).
 MODES = ("inference", "train_fwd", "train_bwd", "train_step")
 TRAINING_MODES = MODES[1:]
 
