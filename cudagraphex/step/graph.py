@@ -88,6 +88,7 @@ from cudagraphex.step.io import (
     argument_problem,
     handed_out,
     host_values,
+    on_arguments,
     output_problem,
     shared_storage,
     signature,
@@ -102,6 +103,7 @@ from cudagraphex.step.state import (
     Slots,
     hyperparameter_change,
     is_tensor,
+    listed,
     same_hyperparameters,
     state_layout,
     unsettled,
@@ -131,8 +133,8 @@ class StepGraph:
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
-        self.modules = _listed("modules", modules, torch.nn.Module)
-        self.optimizers = _listed("optimizers", optimizers, torch.optim.Optimizer)
+        self.modules = listed("modules", modules, torch.nn.Module)
+        self.optimizers = listed("optimizers", optimizers, torch.optim.Optimizer)
         self.capture_sizes = buckets.validated_sizes(capture_sizes)
         if max_graphs is None:
             max_graphs = max(4, len(self.capture_sizes))
@@ -163,13 +165,15 @@ class StepGraph:
     # -- calls --------------------------------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat, spec = pytree.tree_flatten((args, kwargs))
         if self.capture_sizes:
-            return self._bucketed(args, kwargs)
+            rows = buckets.batch_rows(flat)
+            size = next((s for s in self.capture_sizes if s >= rows), None)
+            if size != rows:
+                return self._padded_call(args, kwargs, flat, spec, rows, size)
         graph = self._current
-        if graph is not None:
-            flat, spec = pytree.tree_flatten((args, kwargs))
-            if self._fits(graph, flat, spec):
-                return self._replay(graph, flat)
+        if graph is not None and self._fits(graph, flat, spec):
+            return self._replay(graph, flat)
         return self._slow(args, kwargs)
 
     def report(self) -> StepReport:
@@ -240,15 +244,8 @@ class StepGraph:
             for _ in range(self.warmup_calls + 1):
                 self(*sized_args, **sized_kwargs)
 
-    def _bucketed(self, args: tuple, kwargs: dict) -> Any:
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        rows = buckets.batch_rows(flat)
-        size = next((s for s in self.capture_sizes if s >= rows), None)
-        if size == rows:
-            graph = self._current
-            if graph is not None and self._fits(graph, flat, spec):
-                return self._replay(graph, flat)
-            return self._slow(args, kwargs)
+    def _padded_call(self, args: tuple, kwargs: dict, flat: list, spec: Any, rows: int, size: int | None) -> Any:
+        """A call of ``rows`` rows, fewer than capture size ``size`` (None: more than the largest)."""
         if size is None:
             return self._plain(args, kwargs, "more rows than the largest capture size", inside_step=False)
         if size in self._report.not_padded:
@@ -417,11 +414,15 @@ class StepGraph:
         self._report.peak_added_bytes += peak_added
 
         flat_out, graph.out_spec = pytree.tree_flatten(out)
-        problem = output_problem(flat_out, [*before, *flat, *graph.buffers])
-        if problem is not None:  # the emulated capture ran the step; a CUDA capture only recorded it
-            return None, out if self.emulated else NOT_RUN, problem
-        graph.outputs = [None if o is None else o.detach() for o in flat_out]
         graph.written = [i for i, (buf, v) in enumerate(zip(graph.buffers, versions, strict=True)) if buf._version != v]
+        problem = output_problem(flat_out, [*before, *slots.tensors(), *flat, *graph.buffers])
+        if problem is not None:
+            if not self.emulated:  # a CUDA capture only recorded the step: the call runs it as is
+                return None, NOT_RUN, problem
+            # The emulated capture ran the step on the argument buffers: that run stands for this call.
+            write_back(graph.pick_args(flat), graph.buffers, graph.written)
+            return None, on_arguments(out, graph.buffers, graph.pick_args(flat)), problem
+        graph.outputs = [None if o is None else o.detach() for o in flat_out]
 
         after = slots.tensors()
         graph.slots = after
@@ -449,20 +450,6 @@ class StepGraph:
         self._report.replays += 1
         write_back(graph.pick_args(flat), graph.buffers, graph.written)
         return None if moved else graph, handed_out(graph.outputs, graph.out_spec), None
-
-
-def _listed(name: str, value: object, kind: type) -> list:
-    """``value``, one ``kind`` object or an iterable of them, as a list; raises TypeError for anything else. One
-    module is taken whole, not as its children (an ``nn.Sequential`` is iterable too)."""
-    if isinstance(value, kind):
-        return [value]
-    if not isinstance(value, Iterable):
-        raise TypeError(f"{name} must be a {kind.__qualname__} or an iterable of them, got {type(value).__name__}")
-    items = list(value)
-    for item in items:
-        if not isinstance(item, kind):
-            raise TypeError(f"{name} must be {kind.__qualname__} objects, got {type(item).__name__}")
-    return items
 
 
 def graph_step(

@@ -5,7 +5,8 @@ Invariants
 ==========
 An argument buffer is private to one graph and never shares memory with another buffer, an argument or the state: a
 call whose arguments share memory with each other or with the state is not replayed (``shared_storage``). A result is
-always a new tensor, so a later replay never overwrites what a caller keeps.
+always a new tensor, so a later replay never overwrites what a caller keeps; a step whose results share memory with
+its arguments, its state or each other is not captured (``output_problem``), so a copy never separates them.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from cudagraphex.runtime.handout import view_of
 from cudagraphex.step.state import is_tensor
 
 __all__ = [
     "argument_problem",
     "handed_out",
     "host_values",
+    "on_arguments",
     "output_problem",
     "shared_storage",
     "signature",
@@ -36,6 +39,21 @@ def handed_out(outputs: list[torch.Tensor | None], spec: Any) -> Any:
     keeps."""
     with torch.no_grad():
         return pytree.tree_unflatten([None if o is None else o.clone() for o in outputs], spec)
+
+
+def on_arguments(out: Any, buffers: list[torch.Tensor], args: tuple) -> Any:
+    """``out`` with each tensor that views an argument buffer made the same view of the caller's argument (the step
+    ran on ``buffers``, which stand for ``args``)."""
+    sources = {buf.untyped_storage().data_ptr(): (buf, arg) for buf, arg in zip(buffers, args, strict=True)}
+
+    def rebased(o: Any) -> Any:
+        if not is_tensor(o) or o.untyped_storage().data_ptr() not in sources:
+            return o
+        buf, arg = sources[o.untyped_storage().data_ptr()]
+        offset = o.storage_offset() * o.element_size() - buf.storage_offset() * buf.element_size()
+        return view_of(arg, (o.dtype, o.shape, o.stride(), offset, o._is_view()))
+
+    return pytree.tree_map(rebased, out)
 
 
 def write_back(args: tuple, buffers: list[torch.Tensor], written: list[int]) -> None:
@@ -64,12 +82,27 @@ def shared_storage(args: Iterable[torch.Tensor], state_storages: frozenset[int])
 
 
 def output_problem(flat_out: list, known: list) -> str | None:
+    """Why the step's results cannot be handed out as new tensors (None if they can): a Python value, which a graph
+    would freeze, or a tensor that shares memory with an argument, the state (``known``) or another result, which
+    copies would separate from it."""
     ids = {id(t) for t in known if t is not None}
+    known_storages = storages(t for t in known if is_tensor(t))
+    seen: set[int] = set()
     for o in flat_out:
-        if o is not None and not is_tensor(o):
+        if o is None:
+            continue
+        if not is_tensor(o):
             return f"the step returns a {type(o).__name__}, which a graph would freeze"
-        if o is not None and id(o) in ids:
+        if id(o) in ids:
             return "the step returns one of its arguments or state tensors, not a new tensor"
+        storage = o.untyped_storage().data_ptr()
+        if storage == 0:
+            continue
+        if storage in known_storages:
+            return "the step returns a view of one of its arguments or state tensors, which a copy would separate"
+        if storage in seen:
+            return "the step returns tensors that share memory, which copies would separate"
+        seen.add(storage)
     return None
 
 

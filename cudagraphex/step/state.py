@@ -32,6 +32,7 @@ __all__ = [
     "hyperparameter_change",
     "is_tensor",
     "keep_slots",
+    "listed",
     "same_hyperparameters",
     "state_layout",
     "unsettled",
@@ -245,3 +246,17 @@ def unsettled(before: list, after: list) -> str:
         if (a is None) != (b is None) or (a is not None and b is not None and a.data_ptr() != b.data_ptr())
     )
     return f"{moved} slot(s)" if moved else ""
+
+
+def listed(name: str, value: object, kind: type) -> list:
+    """``value``, one ``kind`` object or an iterable of them, as a list; raises TypeError for anything else. One
+    module is taken whole, not as its children (an ``nn.Sequential`` is iterable too)."""
+    if isinstance(value, kind):
+        return [value]
+    if not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a {kind.__qualname__} or an iterable of them, got {type(value).__name__}")
+    items = list(value)
+    for item in items:
+        if not isinstance(item, kind):
+            raise TypeError(f"{name} must be {kind.__qualname__} objects, got {type(item).__name__}")
+    return items

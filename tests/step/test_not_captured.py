@@ -8,6 +8,7 @@ import warnings
 import pytest
 import thunder
 import torch
+from torch import nn
 
 import cudagraphex
 from benchmarks.models import mlp
@@ -61,6 +62,38 @@ def test_a_python_value_returned_keeps_the_step_from_being_captured(backend):
     with pytest.warns(UserWarning, match="returns a int"):
         run_calls(pair, 5)
     assert explain(pair.step).replays == 0
+
+
+@pytest.mark.parametrize("returns", ["a view of its argument", "a view of its state", "two views of one tensor"])
+def test_results_that_share_memory_keep_the_step_from_being_captured(backend, returns):
+    """Copies of such results would not share memory as the step's own results do: the step runs as is, and what it
+    returns shares memory as it does without graph_step, the call that tried the capture included."""
+    model = nn.Linear(4, 4).to(backend.device)
+
+    def step(x):
+        with torch.no_grad():
+            x.mul_(2)  # written in place: the caller sees the write on every call
+            h = model(x)
+        if returns == "a view of its argument":
+            return h, x[0]
+        if returns == "a view of its state":
+            return h, model.weight.detach()[0]
+        return h, h[0]
+
+    stepped = graph_step(step, modules=[model], warmup_calls=1, backend=backend.name)
+
+    def call():
+        x = torch.ones(2, 4, device=backend.device)
+        return x, *stepped(x)
+
+    with pytest.warns(UserWarning, match="share memory|view of one of its arguments or state"):
+        calls = [call() for _ in range(4)]
+    for x, h, view in calls:
+        assert torch.equal(x, torch.full_like(x, 2))
+        shared = {"a view of its argument": x, "a view of its state": model.weight, "two views of one tensor": h}
+        assert view.untyped_storage().data_ptr() == shared[returns].untyped_storage().data_ptr()
+    report = explain(stepped)
+    assert report.replays == 0 and report.plain_calls["not captured"] == 2
 
 
 def test_an_argument_that_requires_grad_is_not_captured(backend):
