@@ -18,6 +18,7 @@ from tests.fuzzing import Line, Mode, Program, Step, TensorSpec, check, run_batc
 #: is called in; most programs use one or two of them, and each runs 3-5 calls in every one.
 CI_PROGRAMS = 300
 CUDA_PROGRAMS = 100
+WHOLE_STEP_PROGRAMS = 150
 
 
 def _report(result, limit: int = 12) -> str:
@@ -38,12 +39,30 @@ def test_fuzz_cpu_replay_backend():
         pytest.fail(_report(result), pytrace=False)
 
 
+def test_fuzz_whole_step_cpu_replay_backend():
+    """150 programs (seeds 0-149) with each call made one whole step, forward and backward, through ``graph_step``
+    (``Program.as_whole_steps``), compared exactly with the same steps run by plain Thunder. About 20 s on two cores."""
+    result = run_batch(range(WHOLE_STEP_PROGRAMS), "emulate", workers=min(2, os.cpu_count() or 1), whole_step=True)
+    assert result.programs == WHOLE_STEP_PROGRAMS
+    if result.counted:
+        pytest.fail(_report(result), pytrace=False)
+
+
 @pytest.mark.cuda
 def test_fuzz_cuda():
     """100 programs on real CUDA graphs (larger tensors): RNG-free programs compared within a tolerance, programs
     with random ops statistically (zero fraction, mean and spread, and fresh draws on every call)."""
     result = run_batch(range(10_000, 10_000 + CUDA_PROGRAMS), "cuda")
     assert result.programs == CUDA_PROGRAMS
+    if result.counted:
+        pytest.fail(_report(result), pytrace=False)
+
+
+@pytest.mark.cuda
+def test_fuzz_whole_step_cuda():
+    """50 programs as whole steps through ``graph_step`` on real CUDA graphs, compared as ``test_fuzz_cuda`` compares."""
+    result = run_batch(range(10_000, 10_000 + WHOLE_STEP_PROGRAMS // 3), "cuda", whole_step=True)
+    assert result.programs == WHOLE_STEP_PROGRAMS // 3
     if result.counted:
         pytest.fail(_report(result), pytrace=False)
 

@@ -26,11 +26,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--show", type=int, metavar="SEED", help="print the program of this seed and exit")
     parser.add_argument("--shrink", action="store_true", help="shrink each failing program before printing it")
     parser.add_argument("--brief", action="store_true", help="one line per failure, without the program")
+    parser.add_argument(
+        "--whole-step", action="store_true", help="run each call, with its backward, as one step through graph_step"
+    )
     args = parser.parse_args(argv)
     if args.backend == "cuda" and not torch.cuda.is_available():
         parser.error("--backend cuda needs a CUDA GPU")
     if args.show is not None:
-        print(generate(args.show).describe())
+        program = generate(args.show)
+        print((program.as_whole_steps() if args.whole_step else program).describe())
         return 0
     seeds = args.seed or range(args.start, args.start + args.count)
 
@@ -39,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f = shrink(f, args.backend)
         print(f.report(full=not args.brief), flush=True)
 
-    result = run_batch(seeds, args.backend, args.workers, on_failure)
+    result = run_batch(seeds, args.backend, args.workers, on_failure, whole_step=args.whole_step)
     print(result.summary())
     return 1 if result.counted else 0
 

@@ -64,9 +64,11 @@ class BatchResult:
         return "\n".join(lines)
 
 
-def _check_seed(args: tuple[int, str]) -> tuple[Program, Outcome]:
-    seed, backend = args
+def _check_seed(args: tuple[int, str, bool]) -> tuple[Program, Outcome]:
+    seed, backend, whole_step = args
     program = generate(seed)
+    if whole_step:
+        program = program.as_whole_steps()
     return program, check(program, backend)
 
 
@@ -75,12 +77,15 @@ def _worker_init() -> None:
     warnings.simplefilter("ignore")
 
 
-def run_batch(seeds: Iterable[int], backend: str = "emulate", workers: int = 1, on_failure=None) -> BatchResult:
-    """Generates and checks one program per seed. ``workers`` > 1 forks that many processes (CPU replay backend
+def run_batch(
+    seeds: Iterable[int], backend: str = "emulate", workers: int = 1, on_failure=None, whole_step: bool = False
+) -> BatchResult:
+    """Generates and checks one program per seed (with ``whole_step``, each call of it as one step through
+    ``graph_step``: :meth:`Program.as_whole_steps`). ``workers`` > 1 forks that many processes (CPU replay backend
     only, and only while CUDA is not initialised in this process)."""
     result = BatchResult()
     start = time.perf_counter()
-    tasks = [(seed, backend) for seed in seeds]
+    tasks = [(seed, backend, whole_step) for seed in seeds]
     parallel = workers > 1 and backend == "emulate" and not torch.cuda.is_initialized()
     with contextlib.ExitStack() as stack:
         if parallel:

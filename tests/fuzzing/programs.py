@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +111,8 @@ class Program:
     position: str  # "first" | "last"
     min_region_size: int
     threads: bool = False
+    #: Each call is one whole step (forward, then backward at once) run through ``graph_step`` (see ``as_whole_steps``).
+    whole_step: bool = False
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -175,12 +178,27 @@ class Program:
         out.append(indent + ret)
         return "\n".join(out) + "\n"
 
+    def as_whole_steps(self) -> Program:
+        """The program with each call made one whole step: a backward runs in the call that made its loss (pending and
+        retained losses become immediate, backward steps go), in one thread, and its inputs are data that requires no
+        grad (an argument that requires grad keeps a step from being captured)."""
+        steps = [
+            dataclasses.replace(s, loss="now") if s.loss in ("pending", "retain") else s
+            for s in self.steps
+            if s.action != "backward"
+        ]
+        tensors = [
+            t if t.role in ("param", "buffer") else dataclasses.replace(t, requires_grad=False) for t in self.tensors
+        ]
+        return dataclasses.replace(self, tensors=tensors, steps=steps, threads=False, whole_step=True)
+
     def describe(self) -> str:
         kinds = ", ".join(f"{t.name}:{t.kind}{' rg' if t.requires_grad else ''}" for t in self.inputs)
         head = (
             f"seed={self.seed} {'module' if self.module else 'function'} cudagraphex {self.position} "
             f"min_region_size={self.min_region_size} width={self.width} batches={self.batches}"
-            f"{' threads' if self.threads else ''}\ninputs: {kinds}\nops: {' '.join(self.categories)}"
+            f"{' threads' if self.threads else ''}{' whole-step' if self.whole_step else ''}\ninputs: {kinds}\n"
+            f"ops: {' '.join(self.categories)}"
         )
         steps = "\n".join(f"  {i:2d} {s.describe()}" for i, s in enumerate(self.steps))
         return f"{head}\n{self.source()}steps:\n{steps}"

@@ -15,7 +15,7 @@ import thunder
 import torch
 from thunder.extend import Executor
 
-from cudagraphex import CUDAGraphExecutor
+from cudagraphex import CUDAGraphExecutor, graph_step
 from tests.fuzzing.programs import WRITES, Mode, Program, Step, TensorSpec
 
 
@@ -125,6 +125,13 @@ class World:
             self.fn = thunder.jit(target, executors=[ex, *thunder.get_default_executors()])
         else:
             self.fn = thunder.jit(target, executors=[*thunder.get_default_executors(), ex])
+        #: What a call runs: the compiled program, or (whole-step programs) one step of it, through ``graph_step`` where
+        #: the program is compiled with cudagraphex.
+        self.step = self._whole_step
+        if program.whole_step:
+            state = self.module if self.module is not None else self._state_module()
+            if isinstance(ex, CUDAGraphExecutor):
+                self.step = graph_step(self._whole_step, modules=[state], warmup_calls=1, backend=backend.name)
         self.persistent: dict[tuple, torch.Tensor] = {}
         self.held: dict[str, Any] = {}
         self.pending: list[tuple[str, Any, list, list, dict]] = []
@@ -183,7 +190,41 @@ class World:
             obs.where = "".join(traceback.format_exception(e)[-12:])
         return obs
 
+    def _state_module(self) -> torch.nn.Module:
+        """A function program's parameters and buffers as a module's (a whole step reads them as its state, not as
+        arguments, which it would copy into buffers)."""
+        state = torch.nn.Module()
+        for name, t in list(self.fn_params.items()):
+            if t.requires_grad:
+                t = self.fn_params[name] = torch.nn.Parameter(t)
+                state.register_parameter(name, t)
+            else:
+                state.register_buffer(name, t)
+        return state
+
+    def _whole_step(self, backward: bool, direct: bool, *inputs: torch.Tensor) -> tuple[tuple, torch.Tensor | None]:
+        """One call and its backward at once, with cotangents made on the device from the outputs (a host-made one
+        would keep the step from being captured). Returns the outputs and the loss, detached, as a step must."""
+        outs = list(self.fn(*inputs, *self.fn_params.values()))
+        pairs = [
+            (o, o.detach().cos())
+            for o in outs
+            if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()
+        ]
+        loss = None
+        if backward and pairs:
+            if direct:
+                torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+            else:
+                loss = sum((o * c).sum() for o, c in pairs)
+                loss.backward()
+                loss = loss.detach()
+        return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs), loss
+
     def _call(self, step: Step, index: int, obs: Observations) -> None:
+        if self.program.whole_step:
+            self._step_call(step, index, obs)
+            return
         args = self.inputs_for(step, index)
         call_args = list(args.values())
         if self.module is None:
@@ -239,6 +280,31 @@ class World:
         elif step.keep == "mutate":
             self._write_first(outs, step.variant)
         del outs, result
+
+    def _step_call(self, step: Step, index: int, obs: Observations) -> None:
+        """A call of a whole-step program: what the caller sees of the step, its results' memory sharing included (a
+        step whose results share memory with its arguments, its state or each other is run as is)."""
+        args = self.inputs_for(step, index)
+        label = f"c{self.calls}"
+        self.calls += 1
+        backward = step.mode.grad and step.loss != "none"
+        with contextlib.nullcontext() if step.mode.grad else torch.no_grad():
+            outs, loss = self.step(backward, step.form == "direct", *args.values())
+        for i, o in enumerate(outs):
+            obs.add(f"out{i}", o)
+        obs.add("loss", loss)
+        named = [(f"input {k}", v) for k, v in args.items()] + [(f"state {k}", v) for k, v in self.named_state()]
+        held = [(f"held {k}[{i}]", o) for k, os in self.held.items() for i, o in enumerate(os)]
+        obs.add("shared memory", _sharing(named + [(f"out{i}", o) for i, o in enumerate(outs)] + held))
+        for k, v in args.items():
+            obs.add(f"input {k} after the call", v)
+            if v.requires_grad:
+                obs.add(f"grad of {label} input {k}", v.grad)
+        self.last_inputs = args
+        if step.keep == "hold":
+            self.held[label] = list(outs)
+        elif step.keep == "mutate":
+            self._write_first(outs, step.variant)
 
     def _backprop(self, entry, retain: bool, obs: Observations) -> None:
         label, loss, outs, cots, leaves = entry
