@@ -113,6 +113,8 @@ class Program:
     threads: bool = False
     #: Each call is one whole step (forward, then backward at once) run through ``graph_step`` (see ``as_whole_steps``).
     whole_step: bool = False
+    #: What a whole step ends with: "none", "sgd" or "momentum" (an SGD step over the trainable parameters).
+    optimizer: str = "none"
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -181,7 +183,8 @@ class Program:
     def as_whole_steps(self) -> Program:
         """The program with each call made one whole step: a backward runs in the call that made its loss (pending and
         retained losses become immediate, backward steps go), in one thread, and its inputs are data that requires no
-        grad (an argument that requires grad keeps a step from being captured)."""
+        grad (an argument that requires grad keeps a step from being captured). A third of the steps end with an SGD
+        step, a third with SGD with momentum (its state appears at the first step)."""
         steps = [
             dataclasses.replace(s, loss="now") if s.loss in ("pending", "retain") else s
             for s in self.steps
@@ -190,14 +193,17 @@ class Program:
         tensors = [
             t if t.role in ("param", "buffer") else dataclasses.replace(t, requires_grad=False) for t in self.tensors
         ]
-        return dataclasses.replace(self, tensors=tensors, steps=steps, threads=False, whole_step=True)
+        optimizer = ("none", "sgd", "momentum")[self.seed // 4 % 3]
+        return dataclasses.replace(
+            self, tensors=tensors, steps=steps, threads=False, whole_step=True, optimizer=optimizer
+        )
 
     def describe(self) -> str:
         kinds = ", ".join(f"{t.name}:{t.kind}{' rg' if t.requires_grad else ''}" for t in self.inputs)
         head = (
             f"seed={self.seed} {'module' if self.module else 'function'} cudagraphex {self.position} "
             f"min_region_size={self.min_region_size} width={self.width} batches={self.batches}"
-            f"{' threads' if self.threads else ''}{' whole-step' if self.whole_step else ''}\ninputs: {kinds}\n"
+            f"{' threads' if self.threads else ''}{f' whole-step optimizer={self.optimizer}' if self.whole_step else ''}\ninputs: {kinds}\n"
             f"ops: {' '.join(self.categories)}"
         )
         steps = "\n".join(f"  {i:2d} {s.describe()}" for i, s in enumerate(self.steps))

@@ -128,10 +128,18 @@ class World:
         #: What a call runs: the compiled program, or (whole-step programs) one step of it, through ``graph_step`` where
         #: the program is compiled with cudagraphex.
         self.step = self._whole_step
+        self.optimizer = None
         if program.whole_step:
             state = self.module if self.module is not None else self._state_module()
+            trainable = [p for p in state.parameters() if p.requires_grad]
+            if program.optimizer != "none" and trainable:
+                momentum = 0.9 if program.optimizer == "momentum" else 0.0
+                self.optimizer = torch.optim.SGD(trainable, lr=0.1, momentum=momentum)
             if isinstance(ex, CUDAGraphExecutor):
-                self.step = graph_step(self._whole_step, modules=[state], warmup_calls=1, backend=backend.name)
+                optimizers = [self.optimizer] if self.optimizer is not None else []
+                self.step = graph_step(
+                    self._whole_step, modules=[state], optimizers=optimizers, warmup_calls=1, backend=backend.name
+                )
         self.persistent: dict[tuple, torch.Tensor] = {}
         self.held: dict[str, Any] = {}
         self.pending: list[tuple[str, Any, list, list, dict]] = []
@@ -203,8 +211,9 @@ class World:
         return state
 
     def _whole_step(self, backward: bool, direct: bool, *inputs: torch.Tensor) -> tuple[tuple, torch.Tensor | None]:
-        """One call and its backward at once, with cotangents made on the device from the outputs (a host-made one
-        would keep the step from being captured). Returns the outputs and the loss, detached, as a step must."""
+        """One call, its backward and the program's optimizer step at once, with cotangents made on the device from
+        the outputs (a host-made one would keep the step from being captured). Returns the outputs and the loss,
+        detached, as a step must."""
         outs = list(self.fn(*inputs, *self.fn_params.values()))
         pairs = [
             (o, o.detach().cos())
@@ -219,6 +228,8 @@ class World:
                 loss = sum((o * c).sum() for o, c in pairs)
                 loss.backward()
                 loss = loss.detach()
+            if self.optimizer is not None:
+                self.optimizer.step()
         return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs), loss
 
     def _call(self, step: Step, index: int, obs: Observations) -> None:
