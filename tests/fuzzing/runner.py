@@ -85,6 +85,17 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
             " backward trace is not empty: without a fusion executor an in-place write no forward output needs is"
             " moved into that backward; Thunder with its torch.compile fusion executor loses requires_grad as well"
         )
+    if (
+        not failure.excused
+        and program.whole_step
+        and failure.label == "loss"
+        and _a_fusion_executor_agrees(failure, backend, ex, mode="close")
+    ):
+        failure.excused = (
+            "a whole step's loss sums the outputs that require grad, which Thunder marks as a whole, unlike eager;"
+            " plain Thunder moves an in-place write of the forward into its backward, so the loss misses it, and"
+            " Thunder with its torch.compile fusion executor computes the loss cudagraphex does"
+        )
 
 
 def _eager_verdict(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
@@ -123,9 +134,11 @@ def _eager_verdict(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor
     return ""
 
 
-def _a_fusion_executor_agrees(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> bool:
+def _a_fusion_executor_agrees(
+    failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor, mode: str = "meta"
+) -> bool:
     """Whether Thunder with its torch.compile fusion executor in cudagraphex's place observes what cudagraphex does at
-    the failing step.
+    the failing step (``mode``: as ``compare_value`` compares).
 
     Thunder 0.2.6 returns outputs that require grad only when ``split_into_forward_and_backward`` leaves a backward
     trace: its grad transform produces no gradient under ``no_grad``, or where an in-place write may reach an input
@@ -147,7 +160,7 @@ def _a_fusion_executor_agrees(failure: Failure, backend: BackendSpec, ex: CUDAGr
             return False
         if index == failure.step:
             a, b = dict(f.items).get(failure.label, _MISSING), dict(c.items).get(failure.label, _MISSING)
-            return a is not _MISSING and b is not _MISSING and compare_value(a, b, "meta") is None
+            return a is not _MISSING and b is not _MISSING and compare_value(a, b, mode) is None
     return False
 
 
