@@ -11,8 +11,10 @@ Which calls are padded
     size runs ``fn`` as is.
 
 What a padded replay reads and hands out
-    The call's rows are copied into the first rows of the graph's argument buffers; the rows after them keep what an
-    earlier call left (real data, so no padded row computes on garbage). Each output that carries the batch is handed
+    A call is padded only into a graph captured from arguments of the same memory layouts (``memory_layout``), so its
+    results are laid out as the step lays them out for the call. The call's rows are copied into the first rows of the
+    graph's argument buffers; the rows after them keep what an earlier call left (real data, so no padded row computes
+    on garbage). Each output that carries the batch is handed
     out as a new copy of its first rows (``rows * inner`` entries along dim 0); an output that carries none, whole.
 """
 
@@ -27,7 +29,7 @@ from torch.utils import _pytree as pytree
 from cudagraphex.step.rows import Rows
 from cudagraphex.step.state import is_tensor
 
-__all__ = ["batch_rows", "copy_rows", "handed_out_rows", "rows_key", "sized_to", "validated_sizes"]
+__all__ = ["batch_rows", "copy_rows", "handed_out_rows", "memory_layout", "rows_key", "sized_to", "validated_sizes"]
 
 
 def validated_sizes(sizes: Sequence[int] | None) -> tuple[int, ...]:
@@ -55,16 +57,33 @@ def batch_rows(flat: list) -> int:
 
 
 def rows_key(flat: list, spec: Any, size: int) -> tuple:
-    """What a call of any number of rows padded to ``size`` must share with the graph captured at ``size``."""
+    """What a call of any number of rows padded to ``size`` must share with the graph captured at ``size``: besides
+    shapes past dim 0, dtypes and devices, each argument's memory layout (the order of its dims in memory and whether
+    it is dense), on which the layout of the step's results and the validity of its views depend."""
     return (
         size,
         str(spec),
         # requires_grad: a gradient would not reach such an argument through the graph's buffer
         tuple(
-            (a.dim(), tuple(a.shape[1:]), a.dtype, a.device, a.requires_grad) if is_tensor(a) else (type(a), a)
+            (a.dim(), tuple(a.shape[1:]), a.dtype, a.device, a.requires_grad, memory_layout(a))
+            if is_tensor(a)
+            else (type(a), a)
             for a in flat
         ),
     )
+
+
+def memory_layout(t: torch.Tensor) -> tuple[tuple[int, ...], bool]:
+    """The order of ``t``'s dims in memory, outermost first, and whether it covers its memory densely (as a
+    contiguous or a permuted contiguous tensor does): the layout class that any number of rows shares."""
+    order = tuple(sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True))
+    expected = 1
+    dense = True
+    for d in reversed(order):
+        if t.size(d) != 1 and t.stride(d) != expected:
+            dense = False
+        expected *= t.size(d)
+    return order, dense
 
 
 def copy_rows(buffers: list[torch.Tensor], args: Sequence[torch.Tensor], rows: int) -> None:

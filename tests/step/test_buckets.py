@@ -97,6 +97,27 @@ def test_without_prepare_a_size_is_captured_from_calls_of_that_size(backend):
     assert explain(step).padded_calls == 1
 
 
+def test_a_call_is_padded_only_into_a_graph_of_its_arguments_memory_layout(backend):
+    """The layout of a result follows its arguments' (an elementwise op keeps a transposed input's layout); a call
+    padded into a graph captured from a differently laid out argument would get another layout, and a view that
+    fails on its own argument would succeed on the graph's buffer. Such a call runs as is."""
+
+    def fn(x):
+        return x * 2 + 1
+
+    step = graph_step(fn, capture_sizes=[4], backend=backend.name)
+    step.prepare(torch.randn(4, 6, device=backend.device))
+    transposed = torch.randn(6, 3, device=backend.device).t()
+    strided = torch.randn(3, 12, device=backend.device)[:, ::2]
+    for x in (transposed, strided, torch.randn(3, 6, device=backend.device)):
+        got = step(x)
+        want = fn(x)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)
+    report = explain(step)
+    assert report.padded_calls == 1 and report.plain_calls["no graph to pad into yet"] == 2, str(report)
+
+
 def test_outputs_keep_their_rows_through_views_and_outputs_without_rows_come_whole(backend):
     weight = torch.randn(8, 8, device=backend.device)
     bias = torch.randn(5, device=backend.device)
