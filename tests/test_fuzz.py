@@ -19,6 +19,7 @@ from tests.fuzzing import Line, Mode, Program, Step, TensorSpec, check, run_batc
 CI_PROGRAMS = 300
 CUDA_PROGRAMS = 100
 WHOLE_STEP_PROGRAMS = 150
+BUCKETED_PROGRAMS = 120
 
 
 def _report(result, limit: int = 12) -> str:
@@ -42,8 +43,19 @@ def test_fuzz_cpu_replay_backend():
 def test_fuzz_whole_step_cpu_replay_backend():
     """150 programs (seeds 0-149) with each call made one whole step, forward and backward, through ``graph_step``
     (``Program.as_whole_steps``), compared exactly with the same steps run by plain Thunder. About 20 s on two cores."""
-    result = run_batch(range(WHOLE_STEP_PROGRAMS), "emulate", workers=min(2, os.cpu_count() or 1), whole_step=True)
+    result = run_batch(range(WHOLE_STEP_PROGRAMS), "emulate", workers=min(2, os.cpu_count() or 1), steps="whole")
     assert result.programs == WHOLE_STEP_PROGRAMS
+    if result.counted:
+        pytest.fail(_report(result), pytrace=False)
+
+
+def test_fuzz_bucketed_cpu_replay_backend():
+    """120 programs (seeds 0-119) as serving steps with batch-size buckets (``Program.as_bucketed_steps``): calls of
+    the smaller batch replay the larger batch's graph padded where the row check allows it, compared within a
+    tolerance with the same steps run by plain Thunder (padding changes the batch a matrix product sees). Programs
+    with an input that does not carry the batch along dim 0 are skipped. About 25 s on two cores."""
+    result = run_batch(range(BUCKETED_PROGRAMS), "emulate", workers=min(2, os.cpu_count() or 1), steps="bucketed")
+    assert result.programs == BUCKETED_PROGRAMS
     if result.counted:
         pytest.fail(_report(result), pytrace=False)
 
@@ -61,7 +73,7 @@ def test_fuzz_cuda():
 @pytest.mark.cuda
 def test_fuzz_whole_step_cuda():
     """50 programs as whole steps through ``graph_step`` on real CUDA graphs, compared as ``test_fuzz_cuda`` compares."""
-    result = run_batch(range(10_000, 10_000 + WHOLE_STEP_PROGRAMS // 3), "cuda", whole_step=True)
+    result = run_batch(range(10_000, 10_000 + WHOLE_STEP_PROGRAMS // 3), "cuda", steps="whole")
     assert result.programs == WHOLE_STEP_PROGRAMS // 3
     if result.counted:
         pytest.fail(_report(result), pytrace=False)

@@ -14,9 +14,12 @@ On the CPU replay backend (``"emulate"``) everything is compared exactly: both r
 ``torch.manual_seed``, and the replay backend draws what Thunder draws. On ``"cuda"`` RNG-free programs are compared
 within a tolerance and programs with random ops statistically (zero fraction, mean and spread; larger tensors there).
 
-With ``whole_step`` (``--whole-step``) each call of a program is one training step, forward and backward at once
+With ``steps="whole"`` (``--steps whole``) each call of a program is one training step, forward and backward at once
 (``Program.as_whole_steps``), run through ``graph_step`` and compared with the same step run by plain Thunder; a step
 whose results share memory with its arguments, state or each other runs as is, so that sharing is compared too.
+With ``steps="bucketed"`` each call is a serving step through ``graph_step`` with batch-size buckets, captured at
+the program's larger batch, so that calls of its smaller batch replay that graph padded where its rows are
+independent; values are then compared within a tolerance.
 
 ``python -m tests.fuzzing --backend emulate --count 2000 --start 0`` runs a batch and prints each failure (seed,
 program, call pattern, error) and a summary; ``--show SEED`` prints one program; ``--shrink`` reduces each failing

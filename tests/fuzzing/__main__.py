@@ -27,14 +27,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shrink", action="store_true", help="shrink each failing program before printing it")
     parser.add_argument("--brief", action="store_true", help="one line per failure, without the program")
     parser.add_argument(
-        "--whole-step", action="store_true", help="run each call, with its backward, as one step through graph_step"
+        "--steps",
+        choices=["calls", "whole", "bucketed"],
+        default="calls",
+        help="calls as they are; each call with its backward as one step through graph_step; or a serving step"
+        " through graph_step with batch-size buckets",
     )
     args = parser.parse_args(argv)
     if args.backend == "cuda" and not torch.cuda.is_available():
         parser.error("--backend cuda needs a CUDA GPU")
     if args.show is not None:
         program = generate(args.show)
-        print((program.as_whole_steps() if args.whole_step else program).describe())
+        if args.steps == "whole":
+            program = program.as_whole_steps()
+        elif args.steps == "bucketed":
+            program = program.as_bucketed_steps() or program
+        print(program.describe())
         return 0
     seeds = args.seed or range(args.start, args.start + args.count)
 
@@ -43,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f = shrink(f, args.backend)
         print(f.report(full=not args.brief), flush=True)
 
-    result = run_batch(seeds, args.backend, args.workers, on_failure, whole_step=args.whole_step)
+    result = run_batch(seeds, args.backend, args.workers, on_failure, steps=args.steps)
     print(result.summary())
     return 1 if result.counted else 0
 

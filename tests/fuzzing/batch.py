@@ -64,11 +64,15 @@ class BatchResult:
         return "\n".join(lines)
 
 
-def _check_seed(args: tuple[int, str, bool]) -> tuple[Program, Outcome]:
-    seed, backend, whole_step = args
+def _check_seed(args: tuple[int, str, str]) -> tuple[Program, Outcome]:
+    seed, backend, steps = args
     program = generate(seed)
-    if whole_step:
+    if steps == "whole":
         program = program.as_whole_steps()
+    elif steps == "bucketed":
+        program = program.as_bucketed_steps()
+        if program is None:  # an input without the batch along dim 0: nothing to pad
+            return generate(seed), Outcome()
     return program, check(program, backend)
 
 
@@ -78,14 +82,15 @@ def _worker_init() -> None:
 
 
 def run_batch(
-    seeds: Iterable[int], backend: str = "emulate", workers: int = 1, on_failure=None, whole_step: bool = False
+    seeds: Iterable[int], backend: str = "emulate", workers: int = 1, on_failure=None, steps: str = "calls"
 ) -> BatchResult:
-    """Generates and checks one program per seed (with ``whole_step``, each call of it as one step through
-    ``graph_step``: :meth:`Program.as_whole_steps`). ``workers`` > 1 forks that many processes (CPU replay backend
+    """Generates and checks one program per seed: its calls as they are (``steps="calls"``), each call one step
+    through ``graph_step`` (``"whole"``, :meth:`Program.as_whole_steps`), or a serving step with batch-size buckets
+    (``"bucketed"``, :meth:`Program.as_bucketed_steps`). ``workers`` > 1 forks that many processes (CPU replay backend
     only, and only while CUDA is not initialised in this process)."""
     result = BatchResult()
     start = time.perf_counter()
-    tasks = [(seed, backend, whole_step) for seed in seeds]
+    tasks = [(seed, backend, steps) for seed in seeds]
     parallel = workers > 1 and backend == "emulate" and not torch.cuda.is_initialized()
     with contextlib.ExitStack() as stack:
         if parallel:

@@ -138,7 +138,8 @@ def value_mode(label: str, mode: str) -> str:
 
 
 def compare_step(program: Program, backend: BackendSpec, index: int, ref: Observations, got: Observations):
-    mode = backend.compare
+    # Padding changes the batch a matrix product sees, and with it the last bits of its rows.
+    mode = "close" if program.bucketed else backend.compare
     if mode == "close" and program.random:
         mode = "stats"
     for (label, a), (label_b, b) in zip(ref.items, got.items):

@@ -115,6 +115,8 @@ class Program:
     whole_step: bool = False
     #: What a whole step ends with: "none", "sgd" or "momentum" (an SGD step over the trainable parameters).
     optimizer: str = "none"
+    #: A serving step with batch-size buckets (see ``as_bucketed_steps``).
+    bucketed: bool = False
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -198,12 +200,24 @@ class Program:
             self, tensors=tensors, steps=steps, threads=False, whole_step=True, optimizer=optimizer
         )
 
+    def as_bucketed_steps(self) -> Program | None:
+        """The program as a serving step with batch-size buckets: whole steps without backward or optimizer, through
+        ``graph_step(capture_sizes=[its larger batch])``, so that calls of its smaller batch replay that graph padded
+        where its rows are independent. None where an input does not carry the batch along dim 0."""
+        if any(t.kind not in ("BD", "B1", "T", "S") for t in self.inputs):
+            return None
+        steps = [
+            dataclasses.replace(s, mode=dataclasses.replace(s.mode, grad=False), loss="none") if s.mode else s
+            for s in self.as_whole_steps().steps
+        ]
+        return dataclasses.replace(self.as_whole_steps(), steps=steps, optimizer="none", bucketed=True)
+
     def describe(self) -> str:
         kinds = ", ".join(f"{t.name}:{t.kind}{' rg' if t.requires_grad else ''}" for t in self.inputs)
         head = (
             f"seed={self.seed} {'module' if self.module else 'function'} cudagraphex {self.position} "
             f"min_region_size={self.min_region_size} width={self.width} batches={self.batches}"
-            f"{' threads' if self.threads else ''}{f' whole-step optimizer={self.optimizer}' if self.whole_step else ''}\ninputs: {kinds}\n"
+            f"{' threads' if self.threads else ''}{f' whole-step optimizer={self.optimizer}' if self.whole_step else ''}{' bucketed' if self.bucketed else ''}\ninputs: {kinds}\n"
             f"ops: {' '.join(self.categories)}"
         )
         steps = "\n".join(f"  {i:2d} {s.describe()}" for i, s in enumerate(self.steps))

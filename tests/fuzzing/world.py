@@ -135,11 +135,19 @@ class World:
             if program.optimizer != "none" and trainable:
                 momentum = 0.9 if program.optimizer == "momentum" else 0.0
                 self.optimizer = torch.optim.SGD(trainable, lr=0.1, momentum=momentum)
+            sizes = [max(dims["batches"])] if program.bucketed else None
             if isinstance(ex, CUDAGraphExecutor):
                 optimizers = [self.optimizer] if self.optimizer is not None else []
                 self.step = graph_step(
-                    self._whole_step, modules=[state], optimizers=optimizers, warmup_calls=1, backend=backend.name
+                    self._whole_step,
+                    modules=[state],
+                    optimizers=optimizers,
+                    warmup_calls=1,
+                    backend=backend.name,
+                    capture_sizes=sizes,
                 )
+            if program.bucketed:
+                self._prepare(sizes[0], graphed=isinstance(ex, CUDAGraphExecutor))
         self.persistent: dict[tuple, torch.Tensor] = {}
         self.held: dict[str, Any] = {}
         self.pending: list[tuple[str, Any, list, list, dict]] = []
@@ -197,6 +205,19 @@ class World:
             obs.raised = e
             obs.where = "".join(traceback.format_exception(e)[-12:])
         return obs
+
+    def _prepare(self, size: int, graphed: bool) -> None:
+        """Captures the bucketed step at ``size`` up front (``StepGraph.prepare``: two calls of that size); a world
+        without the step graph makes the same two calls."""
+        mode = Mode(batch=self.dims["batches"].index(size), grad=False)
+        example = [self._make_input(spec, mode, "contiguous", ("prepare", spec.name)) for spec in self.program.inputs]
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(derived_seed(self.program.seed, "prepare"))
+            if graphed:
+                self.step.prepare(False, False, *example)
+            else:
+                for _ in range(2):
+                    self._whole_step(False, False, *example)
 
     def _state_module(self) -> torch.nn.Module:
         """A function program's parameters and buffers as a module's (a whole step reads them as its state, not as
