@@ -201,9 +201,10 @@ class Program:
         )
 
     def as_bucketed_steps(self) -> Program | None:
-        """The program as a serving step with batch-size buckets: whole steps without backward or optimizer, through
-        ``graph_step(capture_sizes=[its larger batch])``, so that calls of its smaller batch replay that graph padded
-        where its rows are independent. None where an input does not carry the batch along dim 0."""
+        """The program as a serving step with batch-size buckets: whole steps without backward or optimizer, a module
+        in eval mode, returning copies of its outputs, through ``graph_step(capture_sizes=[its larger batch])``, so
+        that calls of its smaller batch replay that graph padded where its rows are independent. None where an input
+        does not carry the batch along dim 0."""
         if any(t.kind not in ("BD", "B1", "T", "S") for t in self.inputs):
             return None
         steps = [

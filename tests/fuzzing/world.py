@@ -147,6 +147,8 @@ class World:
                     capture_sizes=sizes,
                 )
             if program.bucketed:
+                if self.module is not None:
+                    self.module.eval()  # serving: dropout that follows the module's mode draws nothing
                 self._prepare(sizes[0], graphed=isinstance(ex, CUDAGraphExecutor))
         self.persistent: dict[tuple, torch.Tensor] = {}
         self.held: dict[str, Any] = {}
@@ -251,6 +253,8 @@ class World:
                 loss = loss.detach()
             if self.optimizer is not None:
                 self.optimizer.step()
+        if self.program.bucketed:  # new tensors, so that a step returning its input (or a view) is padded too
+            return tuple(o.detach().clone() if isinstance(o, torch.Tensor) else o for o in outs), loss
         return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs), loss
 
     def _call(self, step: Step, index: int, obs: Observations) -> None:
