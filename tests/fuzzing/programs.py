@@ -207,19 +207,22 @@ class Program:
         does not carry the batch along dim 0."""
         if any(t.kind not in ("BD", "B1", "T", "S") for t in self.inputs):
             return None
+        whole = self.as_whole_steps()
         steps = [
             dataclasses.replace(s, mode=dataclasses.replace(s.mode, grad=False), loss="none") if s.mode else s
-            for s in self.as_whole_steps().steps
+            for s in whole.steps
         ]
-        return dataclasses.replace(self.as_whole_steps(), steps=steps, optimizer="none", bucketed=True)
+        return dataclasses.replace(whole, steps=steps, optimizer="none", bucketed=True)
 
     def describe(self) -> str:
         kinds = ", ".join(f"{t.name}:{t.kind}{' rg' if t.requires_grad else ''}" for t in self.inputs)
+        steps_as = (
+            " bucketed" if self.bucketed else f" whole-step optimizer={self.optimizer}" if self.whole_step else ""
+        )
         head = (
             f"seed={self.seed} {'module' if self.module else 'function'} cudagraphex {self.position} "
             f"min_region_size={self.min_region_size} width={self.width} batches={self.batches}"
-            f"{' threads' if self.threads else ''}{f' whole-step optimizer={self.optimizer}' if self.whole_step else ''}{' bucketed' if self.bucketed else ''}\ninputs: {kinds}\n"
-            f"ops: {' '.join(self.categories)}"
+            f"{' threads' if self.threads else ''}{steps_as}\ninputs: {kinds}\nops: {' '.join(self.categories)}"
         )
         steps = "\n".join(f"  {i:2d} {s.describe()}" for i, s in enumerate(self.steps))
         return f"{head}\n{self.source()}steps:\n{steps}"
