@@ -8,9 +8,12 @@ from dataclasses import dataclass
 
 __all__ = [
     "EXPECTED_FAILURES",
+    "MICRO_COST_S",
     "SKIPPED_FOR_TIME",
     "TASK_ORDER",
     "TIMED_AT_SETUP",
+    "VARIANT_COST",
+    "WORKLOAD_COST_S",
     "Budget",
     "ExpectedFailure",
     "expected_failure",
