@@ -54,7 +54,9 @@ Batch-size buckets
 What the caller gets back
     ``fn``'s return value, with each tensor a new copy of the graph's output (detached: the step consumed its
     autograd graph), so a tensor the caller keeps is never overwritten. ``fn`` may return tensors, None and
-    containers of them; a Python value a graph would freeze keeps the step from being captured.
+    containers of them. A Python value, which a graph would freeze, or a tensor that shares memory with an argument,
+    the state or another result, which a copy would separate from it, keeps the step from being captured. A call that
+    runs ``fn`` as is returns ``fn``'s own result.
 """
 
 from __future__ import annotations
