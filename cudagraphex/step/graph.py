@@ -417,16 +417,17 @@ class StepGraph:
 
         flat_out, graph.out_spec = pytree.tree_flatten(out)
         graph.written = [i for i, (buf, v) in enumerate(zip(graph.buffers, versions, strict=True)) if buf._version != v]
-        problem = output_problem(flat_out, [*before, *slots.tensors(), *flat, *graph.buffers])
+        after = slots.tensors()
+        problem = output_problem(flat_out, [*before, *after, *flat, *graph.buffers])
         if problem is not None:
             if not self.emulated:  # a CUDA capture only recorded the step: the call runs it as is
                 return None, NOT_RUN, problem
             # The emulated capture ran the step on the argument buffers: that run stands for this call.
-            write_back(graph.pick_args(flat), graph.buffers, graph.written)
-            return None, on_arguments(out, graph.buffers, graph.pick_args(flat)), problem
+            args = graph.pick_args(flat)
+            write_back(args, graph.buffers, graph.written)
+            return None, on_arguments(out, graph.buffers, args), problem
         graph.outputs = [None if o is None else o.detach() for o in flat_out]
 
-        after = slots.tensors()
         graph.slots = after
         graph.hyperparameters = hyperparameters
         graph.spec, graph.host_values, graph.modes = spec, host_values(flat), key[1]

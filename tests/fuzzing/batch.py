@@ -70,9 +70,10 @@ def _check_seed(args: tuple[int, str, str]) -> tuple[Program, Outcome]:
     if steps == "whole":
         program = program.as_whole_steps()
     elif steps == "bucketed":
-        program = program.as_bucketed_steps()
-        if program is None:  # an input without the batch along dim 0: nothing to pad
-            return generate(seed), Outcome()
+        bucketed = program.as_bucketed_steps()
+        if bucketed is None:  # an input without the batch along dim 0: nothing to pad
+            return program, Outcome()
+        program = bucketed
     return program, check(program, backend)
 
 

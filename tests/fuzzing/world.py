@@ -280,15 +280,8 @@ class World:
                 )
                 self.previous[i] = o.detach().clone()
         # identity and memory sharing with inputs, parameters, held outputs and each other
-        named = [(f"input {k}", v) for k, v in args.items()] + [(f"state {k}", v) for k, v in self.named_state()]
-        tensors = named + [(f"out{i}", o) for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
-        tensors += [
-            (f"held {k}[{i}]", o)
-            for k, os in self.held.items()
-            for i, o in enumerate(os)
-            if isinstance(o, torch.Tensor)
-        ]
-        obs.add("shared memory", _sharing(tensors))
+        named = self._named(args)
+        obs.add("shared memory", self._shared_memory(named, outs))
         obs.add("identity", [next((n for n, t in named if o is t), None) for o in outs])
         for k, v in args.items():
             obs.add(f"input {k} after the call", v)
@@ -311,10 +304,7 @@ class World:
                 self._backprop(entry, step.loss == "retain", obs)
                 if step.loss == "retain":
                     self._backprop(entry, False, obs)
-        if step.keep == "hold":
-            self.held[label] = outs
-        elif step.keep == "mutate":
-            self._write_first(outs, step.variant)
+        self._keep(step, label, outs)
         del outs, result
 
     def _step_call(self, step: Step, index: int, obs: Observations) -> None:
@@ -329,14 +319,25 @@ class World:
         for i, o in enumerate(outs):
             obs.add(f"out{i}", o)
         obs.add("loss", loss)
-        named = [(f"input {k}", v) for k, v in args.items()] + [(f"state {k}", v) for k, v in self.named_state()]
-        held = [(f"held {k}[{i}]", o) for k, os in self.held.items() for i, o in enumerate(os)]
-        obs.add("shared memory", _sharing(named + [(f"out{i}", o) for i, o in enumerate(outs)] + held))
+        obs.add("shared memory", self._shared_memory(self._named(args), outs))
         for k, v in args.items():
             obs.add(f"input {k} after the call", v)
             if v.requires_grad:
                 obs.add(f"grad of {label} input {k}", v.grad)
         self.last_inputs = args
+        self._keep(step, label, outs)
+
+    def _named(self, args: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        return [(f"input {k}", v) for k, v in args.items()] + [(f"state {k}", v) for k, v in self.named_state()]
+
+    def _shared_memory(self, named: list, outs: Sequence[Any]) -> list[tuple[str, str]]:
+        """Pairs of labels, among the call's inputs and state (``named``), its outputs and the held outputs, whose
+        tensors share memory."""
+        held = [(f"held {k}[{i}]", o) for k, os in self.held.items() for i, o in enumerate(os)]
+        return _sharing(named + [(f"out{i}", o) for i, o in enumerate(outs)] + held)
+
+    def _keep(self, step: Step, label: str, outs: Sequence[Any]) -> None:
+        """Holds the call's outputs across later calls, or writes into the first of them, as the step says."""
         if step.keep == "hold":
             self.held[label] = list(outs)
         elif step.keep == "mutate":
