@@ -424,9 +424,11 @@ def _cudagraphex_summary(fn) -> str:
         return "; ".join(line.strip() for line in str(report).splitlines())
     regions = report.regions
     replays = sum(r.replays for r in regions)
+    given_back = sum(g.given_back_bytes for r in regions for g in r.graphs)
     text = (
         f"cudagraphex: {len(regions)} region(s), {report.num_graphs} graph(s), {replays} replay(s),"
-        f" {report.pool_bytes / 2**20:.0f} MiB in pools, peak raised by {report.peak_added_bytes / 2**20:.0f} MiB"
+        f" {report.pool_bytes / 2**20:.0f} MiB in pools, peak raised by {report.peak_added_bytes / 2**20:.0f} MiB,"
+        f" {given_back / 2**20:.0f} MiB of saved tensors given back"
     )
     failed = [r.name for r in regions if r.disabled_reason]
     if failed:

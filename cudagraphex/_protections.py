@@ -9,6 +9,8 @@ PROTECTIONS: dict[str, bool] = {
     "output_liveness": True,
     # runtime: a graph never replays against a static input that moved
     "static_address_guard": True,
+    # runtime: a graph that gave saved tensors' memory back replays only while the call alone references them
+    "given_back_guard": True,
     # runtime: a new shape, dtype or stride gets its own graph
     "signature_guard": True,
     # runtime: a copied input the graph writes in place is copied back after the replay

@@ -88,6 +88,16 @@ class CudaBackend:
         """The process's peak allocated memory on ``device`` (read only: the user's peak statistics stay as they are)."""
         return torch.cuda.max_memory_allocated(device)
 
+    def release(self, tensor: torch.Tensor) -> bool:
+        """Gives ``tensor``'s memory back to its pool during a capture, so that later allocations of the capture may
+        take it; the tensor keeps its address and no longer frees it (``runtime.release`` says when that is sound).
+        False where the caching allocator does not own the memory."""
+        cdata = tensor.untyped_storage()._cdata
+        if not torch._C._has_Standard_Deleter(cdata):
+            return False
+        torch._C._free_And_Remove_DeleterFn(cdata)
+        return True
+
     def capture(
         self,
         fn: Callable,
@@ -170,6 +180,8 @@ class EmulatedGraph:
         self._frozen = [None if i in static else _freeze(a) for i, a in enumerate(args)]
         self._static = tuple(static)
         self._outputs = tuple(outputs)
+        #: Anchors of other graphs whose memory a real replay of this graph may overwrite (``runtime.release``).
+        self.overwrites: list = []
 
     def replay(self, args: Sequence[Any]) -> None:
         call_args = [_thaw(a) for a in self._frozen]
@@ -181,6 +193,10 @@ class EmulatedGraph:
             if fresh.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
                 dims = expanded_dims(target)
                 unexpand(target, dims).copy_(unexpand(fresh, dims))
+        if self.overwrites:
+            from cudagraphex.runtime.release import poison
+
+            poison(self.overwrites)
 
 
 class _FrozenView(NamedTuple):
@@ -224,6 +240,11 @@ class EmulatedBackend:
 
     def peak_allocated_bytes(self, device: torch.device) -> int:
         return 0
+
+    def release(self, tensor: torch.Tensor) -> bool:
+        """Nothing to free on the CPU: a replay that may reuse the memory overwrites the tensor instead
+        (``EmulatedGraph.overwrites``)."""
+        return True
 
     def capture(
         self,

@@ -36,6 +36,10 @@ class GraphReport:
     #: How far the process's peak allocated memory (``torch.cuda.max_memory_allocated``) rose while the graph's input
     #: buffers were made and it was captured; 0 where that stayed below an earlier peak, and on the CPU backend.
     peak_added_bytes: int
+    #: The saved tensors whose memory the capture gave back to the pool at their last read, for its own and later
+    #: captures' allocations (a backward graph; their storages' bytes).
+    given_back: list[str] = field(default_factory=list)
+    given_back_bytes: int = 0
 
 
 @dataclass
@@ -161,6 +165,11 @@ def _region_lines(r: RegionReport) -> list[str]:
             f"    graph {i}: inputs {g.input_shapes}{in_place}, {g.replays} replay(s), captured in {g.capture_ms:.1f}"
             f" ms, {_bytes(g.pool_bytes)}{pool}, peak raised by {_bytes(g.peak_added_bytes)}"
         )
+        if g.given_back:
+            lines.append(
+                f"      gave back the memory of {len(g.given_back)} saved tensor(s) at their last read"
+                f" ({_bytes(g.given_back_bytes)}): {_names(g.given_back)}"
+            )
     if r.eager_calls:
         lines.append("    eager calls: " + ", ".join(f"{why} x{n}" for why, n in r.eager_calls.items()))
     if r.copied_outputs:
@@ -198,6 +207,8 @@ def _region_report(region: GraphedRegion) -> RegionReport:
             pool_bytes=i.pool_bytes,
             own_pool=not i.pool.shared,
             peak_added_bytes=i.peak_added,
+            given_back=[info.input_names[j] for j in i.given_back.indices] if i.given_back else [],
+            given_back_bytes=i.given_back.nbytes if i.given_back else 0,
         )
         for i in region.instances
     ]

@@ -44,6 +44,7 @@ from cudagraphex.planning.safety import unsafe_reason
 from cudagraphex.planning.static_inputs import classify_inputs, static_names
 from cudagraphex.planning.symbols import count_ops, input_aliases, rng_state_inputs
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion, GraphOptions, RegionInfo
+from cudagraphex.runtime.release import release_point
 
 __all__ = ["CUDAGraphExecutor", "cudagraphex"]
 
@@ -260,6 +261,7 @@ class CUDAGraphExecutor(FusionExecutor):
             written=written,
             aliases={name: aliases[name] for name in output_names if aliases.get(name)},
             rng_state_inputs=rng_state_inputs(members, input_names),
+            last_read=spec.last_read & input_names,
         )
         # Rematerialization that is kept changes which forward outputs the backward reads: they stay static.
         graph_outputs = fusion.graph_outputs.union(*(producer.static_outputs for producer in earlier))
@@ -294,6 +296,7 @@ class CUDAGraphExecutor(FusionExecutor):
             graphs,
             [in_place and p.name in spec.mutated for p in spec.inputs],
             [p.name in spec.rng_state_inputs for p in spec.inputs],
+            [p.name in spec.last_read for p in spec.inputs],
         )
         sym = Symbol(name, meta=None, is_fusion=True, executor=self)
         bsym = BoundSymbol(
@@ -367,7 +370,8 @@ def _fused_by(inner: Sequence[Executor]) -> Callable[[BoundSymbol], bool]:
 
 
 def _region_callable(name: str, spec: RegionSpec, inner: Sequence[Executor]):
-    """The region as a Python function of its inputs, lowered with ``inner`` and freeing intermediates early."""
+    """The region as a Python function of its inputs, lowered with ``inner`` and freeing intermediates early, with a
+    release point after the last read of each input it reads last (``runtime.release``)."""
     trace = TraceCtx(None)
     trace.args = list(spec.inputs)
     trace.kwargs = {}
@@ -383,8 +387,35 @@ def _region_callable(name: str, spec: RegionSpec, inner: Sequence[Executor]):
                 trace.names.add(p.name)
     trace._siginfo = SigInfo(name)
     trace._siginfo.args = [(p.name, None) for p in spec.inputs]
-    lowered = del_last_used(transform_for_execution(trace, inner))
-    return lowered.python_callable()
+    lowered = transform_for_execution(trace, inner)
+    if spec.last_read:
+        lowered = _with_release_points(lowered, spec.last_read)
+    return del_last_used(lowered).python_callable()
+
+
+_RELEASE_POINT = Symbol("cudagraphex_release_point", meta=None)
+
+
+def _with_release_points(trace: TraceCtx, names: frozenset[str]) -> TraceCtx:
+    """``trace`` with ``release_point(t)`` right after the last symbol that reads each input ``t`` of ``names``, or a
+    tensor that may be a view of it."""
+    bsyms = list(trace.bound_symbols)
+    _, views = input_aliases(bsyms, names)
+    last: dict[str, int] = {}
+    for i, bsym in enumerate(bsyms):
+        if bsym.sym.id not in (prims.PrimIDs.RETURN, prims.PrimIDs.UNPACK_TRIVIAL):
+            for p in bsym.flat_proxy_args:
+                for root in views.get(p.name, frozenset()) | ({p.name} & names):
+                    last[root] = i
+    proxies = {p.name: p for p in trace.args}
+    for name, i in sorted(last.items(), key=lambda item: -item[1]):
+        point = BoundSymbol(
+            _RELEASE_POINT, (proxies[name],), {}, None, (), _call_ctx={_RELEASE_POINT.name: release_point}
+        )
+        bsyms.insert(i + 1, point)
+    released = from_trace(trace)
+    released.bound_symbols = bsyms
+    return released
 
 
 #: The executor instance Thunder knows as "cudagraphex".

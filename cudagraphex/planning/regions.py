@@ -92,6 +92,9 @@ class RegionSpec:
     aliases: dict[str, frozenset[str]] = field(default_factory=dict, repr=False)
     #: Inputs that members read as dropout RNG state (see :data:`~cudagraphex.planning.safety.RNG_STATE_PARAMETERS`).
     rng_state_inputs: frozenset[str] = frozenset()
+    #: Backward inputs this region reads last: nothing after it in the trace reads them, and it neither writes nor
+    #: returns them (candidates for giving their memory back at their last use, ``runtime.release``).
+    last_read: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -116,6 +119,23 @@ def trace_kind(trace: TraceCtx) -> str:
     if any(b.sym.id == prims.PrimIDs.GET_GRAD for b in trace.bound_symbols):
         return "forward+backward"
     return "computation"
+
+
+def _mark_last_reads(plan: Plan) -> None:
+    """Sets each backward region's ``last_read`` (see :class:`RegionSpec`)."""
+    read_later: set[str] = set()
+    for item in reversed(plan.sequence):
+        if isinstance(item, RegionSpec):
+            if item.phase == "backward":
+                own = item.mutated | {p.name for p in item.outputs}
+                item.last_read = frozenset(
+                    p.name
+                    for p in item.inputs
+                    if isinstance(p, TensorProxy) and p.name not in read_later and p.name not in own
+                )
+            read_later.update(p.name for p in item.inputs)
+        elif item.sym.id != prims.PrimIDs.DEL:
+            read_later.update(p.name for p in item.flat_proxy_args)
 
 
 def _phases(trace: TraceCtx) -> Callable[[int], str]:
@@ -200,6 +220,7 @@ class _Planner:
             hazards = self._hazards(plan)
             if not hazards:
                 self._mark_returned(plan)
+                _mark_last_reads(plan)
                 return plan
             # A hazard of a member that decomposes a symbol of the trace keeps that symbol out.
             extra.update({self.origin.get(key, key): why for key, why in hazards.items()})

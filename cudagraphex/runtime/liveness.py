@@ -20,6 +20,11 @@ When a graph may be replayed
     receives switch to copy-on-return, and the call replays another instance whose storages are free, captures one in
     a pool of its own, or runs eagerly (``GraphedRegion._on_held``).
 
+Given-back anchors
+    A backward graph may give the memory of saved anchors back to the pool during its capture (``release``). Every
+    graph captured into the pool after that may write those blocks, so its replay also waits until each given-back
+    anchor is referenced by our structures alone (its count at the owner's baseline).
+
 Baselines
     Both baselines are taken once, when nothing but the instance's own structures references its outputs, and those
     structures never change afterwards: a new reference to an anchor from cudagraphex itself would read as a holder.
@@ -28,11 +33,13 @@ Baselines
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cudagraphex._protections import PROTECTIONS
+from cudagraphex.runtime.release import refs
 
 if TYPE_CHECKING:
     from cudagraphex.runtime.handout import Handout
@@ -50,13 +57,43 @@ class Pool:
         self.handle = handle
         self.shared = shared
         self.instances: list[Instance] = []
+        #: Anchors handed out as themselves, by ``id``: (their instance's liveness, position among its direct anchors).
+        self._anchors: dict[int, tuple[Liveness, int]] = {}
+        #: Anchors whose memory a capture gave back to this pool, in the order they were given back (an ordered set).
+        self.given_back: dict[tuple[Liveness, int], None] = {}
 
     def register(self, instance: Instance) -> None:
         # A replay of an earlier instance may write memory this one took from the earlier one's intermediates.
         for earlier in self.instances:
             earlier.liveness.watch(instance.liveness)
         instance.liveness.watch(instance.liveness)
+        # ... and this one may write the memory of every anchor given back before it.
+        own = instance.given_back.anchors if instance.given_back else []
+        instance.liveness.watch_given_back([a for a in self.given_back if a not in own])
+        self.note_given_back(own)
+        if instance.emulated:  # the CPU replay backend overwrites what a real replay may overwrite
+            instance.graph.overwrites = [*own, *instance.liveness.watch_back]
         self.instances.append(instance)
+        for k, anchor in enumerate(instance.liveness.direct):
+            self._anchors[id(anchor)] = (instance.liveness, k)
+
+    def note_given_back(self, anchors: list[tuple[Liveness, int] | None]) -> None:
+        self.given_back.update((a, None) for a in anchors if a is not None)
+
+    def unsafe_for_capture(self, args: Sequence[object]) -> bool:
+        """Whether a capture for ``args`` may take memory that is still in use: memory given back to this pool whose
+        anchor ``args`` hold, or that something still references (a backward still to run, say). A capture allocates
+        from the pool's free blocks, and its first replay follows at once."""
+        if not self.given_back:
+            return False
+        return any(self.anchor_of(a) in self.given_back for a in args) or any(
+            refs(owner.direct, (k,))[0] != owner.direct_refs[k] for owner, k in self.given_back
+        )
+
+    def anchor_of(self, tensor: object) -> tuple[Liveness, int] | None:
+        """The (liveness, position) of ``tensor`` if it is an anchor handed out as itself by a graph of this pool."""
+        found = self._anchors.get(id(tensor))
+        return found if found is not None and found[0].direct[found[1]] is tensor else None
 
 
 class Liveness:
@@ -70,12 +107,18 @@ class Liveness:
         self.direct = handout.direct
         self.direct_group = handout.direct_group
         self.direct_baseline = self._direct_references()
+        #: Per direct anchor, its reference count (as ``release.refs`` takes it) when only our structures hold it.
+        self.direct_refs = refs(self.direct, range(len(self.direct)))
+        self._group_size = [len(members) for members in handout.group_members]
         # Storages whose liveness gates this instance's replays: (cdata, baseline, owner instance, group).
         self.watched: list[tuple[int, int, Instance, int]] = []
         self.watch_cdata: list[int] = []
         self.watch_baseline = 0
         #: Instances (this one among them) whose anchors handed out as themselves gate this instance's replays.
         self.watch_direct: list[Liveness] = []
+        #: Given-back anchors this instance's replay may overwrite, and the sum of their baseline counts.
+        self.watch_back: list[tuple[Liveness, int]] = []
+        self.watch_back_baseline = 0
 
     def _direct_references(self) -> int:
         # A holder in C++ (an autograd node, ctx.save_for_backward) counts too: while C++ shares a tensor, torch keeps
@@ -95,10 +138,25 @@ class Liveness:
         if other.direct:
             self.watch_direct.append(other)
 
+    def watch_given_back(self, anchors: list[tuple[Liveness, int]]) -> None:
+        """Makes the given-back ``anchors`` gate this instance's replays."""
+        self.watch_back += anchors
+        self.watch_back_baseline += sum(owner.direct_refs[k] for owner, k in anchors)
+
+    def alone_on_storage(self, k: int) -> bool:
+        """Whether direct anchor ``k`` is the only tensor on its storage (no other output, no alias anyone holds)."""
+        g = self.direct_group[k]
+        return self._group_size[g] == 1 and _use_count(self.group_cdata[g]) == self.group_baseline[g]
+
+    def _given_back_unreferenced(self) -> bool:
+        return sum(refs(owner.direct, (k,))[0] for owner, k in self.watch_back) == self.watch_back_baseline
+
     def free(self) -> bool:
         """Whether no storage this instance's replay writes is referenced by anything but anchors."""
-        if sum(map(_use_count, self.watch_cdata)) == self.watch_baseline and (
-            not self.watch_direct or all(other.direct_unreferenced() for other in self.watch_direct)
+        if (
+            sum(map(_use_count, self.watch_cdata)) == self.watch_baseline
+            and (not self.watch_direct or all(other.direct_unreferenced() for other in self.watch_direct))
+            and (not self.watch_back or self._given_back_unreferenced())
         ):
             return True
         return not PROTECTIONS["output_liveness"]
@@ -109,4 +167,7 @@ class Liveness:
         for other in self.watch_direct:
             if not other.direct_unreferenced():
                 pairs += [(other.owner, g) for g in sorted(set(other.direct_group))]
+        for owner, k in self.watch_back:
+            if refs(owner.direct, (k,))[0] != owner.direct_refs[k]:
+                pairs.append((owner.owner, owner.direct_group[k]))
         return pairs

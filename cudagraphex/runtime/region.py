@@ -36,6 +36,7 @@ from cudagraphex.planning.static_inputs import InputKind
 from cudagraphex.runtime.instance import Instance
 from cudagraphex.runtime.liveness import Pool
 from cudagraphex.runtime.options import GraphOptions, ParameterMovedError, RegionInfo, StrictModeError
+from cudagraphex.runtime.release import give_back_candidates
 from cudagraphex.runtime.staging import signature
 
 __all__ = ["FunctionGraphs", "GraphedRegion"]
@@ -88,6 +89,7 @@ class GraphedRegion:
         graphs: FunctionGraphs,
         input_is_mutated: Sequence[bool],
         input_is_rng_state: Sequence[bool] = (),
+        input_is_read_last: Sequence[bool] = (),
     ) -> None:
         self.fn = fn
         self.info = info
@@ -99,6 +101,8 @@ class GraphedRegion:
         self.mutated_idx = {i for i, m in enumerate(input_is_mutated) if m}
         #: Inputs read as dropout RNG state: an eager run reads them in host memory, a graph in device memory.
         self.rng_state_idx = [i for i, r in enumerate(input_is_rng_state) if r]
+        #: Backward inputs the region reads last, whose memory a capture may give back (``release``).
+        self.last_read_idx = [i for i, r in enumerate(input_is_read_last) if r]
         self.instances: list[Instance] = []
         self.current: Instance | None = None
         #: Outputs handed out as copies, because the caller was seen to keep them across calls.
@@ -126,7 +130,7 @@ class GraphedRegion:
         inst = self.current
         if inst is not None:
             copied = inst.fitting_copied_inputs(args)
-            if copied is not None and inst.liveness.free():
+            if copied is not None and inst.liveness.free() and (inst.given_back is None or inst.given_back.allow(args)):
                 return inst.replay(args, copied)
         return self._dispatch(args)
 
@@ -139,16 +143,22 @@ class GraphedRegion:
         key = signature(args)
         candidates = [c for c in self.instances if c.key == key or not PROTECTIONS["signature_guard"]]
         matching = [c for c in candidates if c.statics_match(args)]
+        given_back_held = False
         for c in matching:
             if c.liveness.free():
-                self.current = c
-                return c.replay(args, c.pick_copied(args))
+                if c.given_back is None or c.given_back.allow(args):
+                    self.current = c
+                    return c.replay(args, c.pick_copied(args))
+                given_back_held = True
         if not candidates:
             self._calls_per_key[key] += 1
             if self._calls_per_key[key] <= self.options.warmup_calls:
                 return self._warmup(args, key)
             why = "new input signature" if self.instances else "first capture"
             return self._capture(args, key, private=False, why=why)
+        if given_back_held:
+            why = "a saved tensor whose memory its graph gives back is referenced beyond the call"
+            return self._capture(args, key, private=True, why=why)
         if matching:
             return self._on_held(args, key, matching[-1])
         return self._on_moved(args, key, candidates)
@@ -244,8 +254,12 @@ class GraphedRegion:
                 warnings.warn(message, stacklevel=2)
             return self._eager(args, "graph budget exhausted")
         pool = self.graphs.pool(self.device, private=private)
+        if pool.unsafe_for_capture(args):
+            pool = self.graphs.pool(self.device, private=True)
+        static = [i for i, kind in enumerate(self.kinds) if kind.is_static]
+        give_back = give_back_candidates(self, args, pool, static)
         try:
-            inst = Instance(self, key, args, pool, self._unmoved_caller_tensors(args, key))
+            inst = Instance(self, key, args, pool, self._unmoved_caller_tensors(args, key), give_back)
         except CaptureFailed as e:
             self.disabled_reason = str(e)
             message = f"cudagraphex: capturing region {self.name} failed ({e}); it runs eagerly from now on"
@@ -257,13 +271,14 @@ class GraphedRegion:
         self.instances.append(inst)
         self.current = inst
         logger.info(
-            "%s: captured graph %d (%s) in %.1f ms, %.1f MiB of memory added, peak raised by %.1f MiB%s",
+            "%s: captured graph %d (%s) in %.1f ms, %.1f MiB of memory added, peak raised by %.1f MiB%s%s",
             self.name,
             len(self.instances),
             why,
             inst.capture_seconds * 1e3,
             inst.pool_bytes / 2**20,
             inst.peak_added / 2**20,
+            f", {inst.given_back.nbytes / 2**20:.1f} MiB of saved tensors given back" if inst.given_back else "",
             "" if pool.shared else ", in a pool of its own",
         )
         return inst.replay(args, inst.pick_copied(args))

@@ -1,0 +1,190 @@
+"""Saved tensors give their memory back at their last read inside a backward graph's capture (``runtime.release``).
+
+The CPU replay backend frees nothing: after every replay of a graph that may reuse that memory it overwrites the
+given-back tensors with NaN, so a replay at the wrong time shows as a wrong gradient or a changed tensor.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from benchmarks.models import mlp
+from cudagraphex import cudagraphex, explain
+from cudagraphex.runtime.release import read_after_call
+from tests.helpers import BACKENDS, assert_grads_close, jit, protection_off, twin
+
+
+def _backward_graphs(jm) -> list:
+    return [g for r in explain(jm).regions if r.phase == "backward" for g in r.graphs]
+
+
+def test_a_backward_graph_gives_back_the_saved_tensors_it_reads_last(backend):
+    model = mlp(3, 64).to(backend.device)
+    reference = twin(model)
+    jm = jit(model, backend.executor)
+    for _ in range(4):
+        x = torch.randn(8, 64, device=backend.device)
+        jm(x).square().mean().backward()
+        reference(x).square().mean().backward()
+        assert_grads_close(model, reference)
+        model.zero_grad()
+        reference.zero_grad()
+    (graph,) = _backward_graphs(jm)
+    assert graph.given_back and graph.given_back_bytes > 0
+    assert graph.replays == 3
+    assert "gave back the memory of" in str(explain(jm))
+
+
+def _retain_graph_grads_match(backend) -> bool:
+    """Two plain steps (the backward graph gives saved memory back), then two steps of two backwards each."""
+    model = mlp(3, 16).to(backend.device)
+    reference = twin(model)
+    jm = jit(model, backend.executor)
+    ok = True
+    for step in range(4):
+        x = torch.randn(4, 16, device=backend.device)
+        loss, ref = jm(x).square().mean(), reference(x).square().mean()
+        for last in (False, True) if step >= 2 else (True,):
+            loss.backward(retain_graph=not last)
+            ref.backward(retain_graph=not last)
+        ok &= all(torch.allclose(p.grad, r.grad) for p, r in zip(model.parameters(), reference.parameters()))
+        del loss, ref
+        model.zero_grad()
+        reference.zero_grad()
+    return ok
+
+
+def test_a_backward_that_retains_its_graph_reads_its_saved_tensors_intact(backend):
+    assert _retain_graph_grads_match(backend)
+
+
+def test_given_back_guard_bites_with_retain_graph():
+    with protection_off("given_back_guard"):
+        assert not _retain_graph_grads_match(BACKENDS["emulate"])
+
+
+def _hooked_saved_tensors_intact(backend) -> bool:
+    """A saved-tensor hook keeps each saved tensor with a copy of its value; after the backward they must agree."""
+    model = mlp(3, 16).to(backend.device)
+    jm = jit(model, backend.executor)
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append((t, t.detach().clone()))
+        return t
+
+    ok = True
+    for _ in range(4):
+        kept.clear()
+        x = torch.randn(4, 16, device=backend.device)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = jm(x).square().mean()
+        loss.backward()
+        del loss
+        ok &= all(torch.equal(t, value) for t, value in kept)
+    kept.clear()
+    return ok
+
+
+def test_saved_tensors_a_hook_keeps_are_not_given_back(backend):
+    assert _hooked_saved_tensors_intact(backend)
+
+
+def test_given_back_guard_bites_with_a_saved_tensor_hook():
+    with protection_off("given_back_guard"):
+        assert not _hooked_saved_tensors_intact(BACKENDS["emulate"])
+
+
+class _Recorder:
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.read: set[str] | None = None
+
+    def __call__(self, *args: object) -> int:
+        self.read = read_after_call(sys._getframe(1), self.names)
+        return 0
+
+
+def _reads_b_again(region, a, b):
+    out = region(a, b)
+    c = [b]
+    del a, b
+    return out, c
+
+
+def _branches(region, a, b):
+    out = region(a, b)
+    if out:
+        return out
+    del a, b
+    return out
+
+
+def test_the_callers_code_decides_which_arguments_it_reads_after_the_call():
+    recorder = _Recorder(["a", "b"])
+    _reads_b_again(recorder, 1, 2)
+    assert recorder.read == {"b"}
+    _branches(recorder, 1, 2)
+    assert recorder.read == {"a", "b"}  # code that jumps may read anything again
+    recorder.names = ["a", "not_a_local"]
+    _reads_b_again(recorder, 1, 2)
+    assert recorder.read == {"a", "not_a_local"}
+
+
+@pytest.mark.cuda
+def test_giving_saved_memory_back_shrinks_the_backward_graphs_memory():
+    def backward_graph_memory(retain_graph: bool) -> tuple[int, int]:
+        model = mlp(4, 1024).cuda()
+        jm = jit(model, cudagraphex)
+        x = torch.randn(512, 1024, device="cuda")
+        for _ in range(3):
+            loss = jm(x).square().mean()
+            loss.backward(retain_graph=retain_graph)  # a graph kept for a second backward gives nothing back
+            del loss
+        (graph,) = _backward_graphs(jm)
+        assert bool(graph.given_back) is not retain_graph
+        return graph.pool_bytes, graph.given_back_bytes
+
+    kept_bytes, _ = backward_graph_memory(retain_graph=True)
+    given_bytes, given_back = backward_graph_memory(retain_graph=False)
+    assert given_back > 0
+    assert given_bytes < kept_bytes, (given_bytes, kept_bytes)
+
+
+class _Breaking(torch.nn.Module):
+    """Two graph-safe runs with a host read between them: the forward has two regions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = mlp(2, 32), mlp(2, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        scale = 1.0 + (h.detach().abs().amax() > 1e9).float().item()  # a host read: keeps the graphs apart
+        return self.second(h * scale)
+
+
+def test_training_with_new_shapes_and_eval_calls_between_steps(backend):
+    """Batch sizes change and eval calls whose outputs are kept run between steps: the backward graphs give saved
+    memory back, and every graph captured later into the pool must wait for it."""
+    model = _Breaking().to(backend.device)
+    reference = twin(model)
+    jm = jit(model, backend.executor)
+    kept = []
+    for batch in (8, 8, 8, 4, 4, 8, 4, 8):
+        x = torch.randn(batch, 32, device=backend.device)
+        loss, ref = jm(x).square().mean(), reference(x).square().mean()
+        torch.testing.assert_close(loss, ref)
+        with torch.no_grad():
+            kept.append((jm(x), reference(x)))
+        loss.backward()
+        ref.backward()
+        assert_grads_close(model, reference)
+        model.zero_grad()
+        reference.zero_grad()
+    for got, want in kept:
+        torch.testing.assert_close(got, want)
+    assert sum(len(g.given_back) for g in _backward_graphs(jm)) > 0
