@@ -38,6 +38,25 @@ def test_a_backward_graph_gives_back_the_saved_tensors_it_reads_last(backend):
     assert "gave back the memory of" in str(explain(jm))
 
 
+def test_a_gpt_backward_with_many_inputs_gives_back_saved_memory(backend):
+    """The backward region of a GPT takes dozens of inputs; how many references the call itself holds on each depends
+    on their number."""
+    from benchmarks.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=128)).to(backend.device)
+    reference = twin(model)
+    jm = jit(model, backend.executor)
+    for _ in range(3):
+        idx = torch.randint(0, 128, (2, 32), device=backend.device)
+        jm(idx, idx).backward()
+        reference(idx, idx).backward()
+        assert_grads_close(model, reference, atol=1e-4, rtol=1e-4)
+        model.zero_grad()
+        reference.zero_grad()
+    (graph,) = _backward_graphs(jm)
+    assert len(graph.given_back) >= 20
+
+
 def _retain_graph_grads_match(backend) -> bool:
     """Two plain steps (the backward graph gives saved memory back), then two steps of two backwards each."""
     model = mlp(3, 16).to(backend.device)

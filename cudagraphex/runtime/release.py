@@ -19,7 +19,8 @@ What may be given back
       not given back before;
     * nothing but the call references it: the backward runs with ``retain_graph=False``, its storage has no user
       beyond the anchor, and its Python reference count is that of our own structures plus the call path's (one
-      local, its argument slots; measured once per process on a probe of the same shape, :func:`call_path_refs`).
+      local, its argument slots; measured once per process and number of arguments on a probe of the same shape,
+      :func:`call_path_refs`).
 
 When a graph that gave tensors back may replay
     Only under the same conditions, checked on every call (:class:`GivenBack`): ``retain_graph=False``, the same
@@ -100,33 +101,30 @@ def giving_back(release, wanted: dict[int, tuple[int, int]]) -> Iterator[list[in
 
 # -- the call path -------------------------------------------------------------------------------------------------
 
-_PROBE_SOURCE = """
-def probe_caller(saved, region):
-    t0, = saved
-    saved.clear()
-    out = region(t0)
-    del t0
-    return out
-"""
-
 
 class _ProbeRegion:
     def __call__(self, *args: object) -> int:
         return refs(args, (0,))[0]
 
 
-_call_path: list[int] = []
+_call_path: dict[int, int] = {}
 
 
-def call_path_refs() -> int:
-    """The references a region's argument has from the call alone: the caller's local that holds it and its argument
-    slots, as Thunder's generated code calls a region (a local passed positionally), plus those of taking the count
-    (:func:`refs`). Measured once per process on a probe of that shape."""
-    if not _call_path:
+def call_path_refs(nargs: int) -> int:
+    """The references an argument of a region called with ``nargs`` arguments has from the call alone: the caller's
+    local that holds it and its argument slots, as Thunder's generated code calls a region (locals passed
+    positionally), plus those of taking the count (:func:`refs`). The interpreter's share depends on the number of
+    arguments (CPython 3.11 holds one fewer from 31 on), so it is measured once per number, on a probe of that shape."""
+    if nargs not in _call_path:
+        names = ", ".join(f"t{i}" for i in range(nargs))
+        source = (
+            f"def probe(saved, region):\n    {names}, = saved\n    saved.clear()\n"
+            f"    out = region({names})\n    del {names}\n    return out\n"
+        )
         namespace: dict[str, object] = {}
-        exec(compile(_PROBE_SOURCE, "<cudagraphex call-path probe>", "exec"), namespace)  # noqa: S102 - fixed source
-        _call_path.append(namespace["probe_caller"]([object()], _ProbeRegion()))
-    return _call_path[0]
+        exec(compile(source, "<cudagraphex call-path probe>", "exec"), namespace)  # noqa: S102 - generated above
+        _call_path[nargs] = namespace["probe"]([object() for _ in range(nargs)], _ProbeRegion())
+    return _call_path[nargs]
 
 
 def _own_frames() -> frozenset[types.CodeType]:
@@ -189,7 +187,7 @@ def give_back_candidates(
     later = read_after_call(frame, names)
     del frame
     # What a count taken by ``refs`` holds beyond our structures' references and the call's.
-    call_only = call_path_refs() - _refs_temps()
+    call_only = call_path_refs(len(args)) - _refs_temps()
     found: dict[int, tuple[int, int, int]] = {}
     for i, name in zip(positions, names, strict=True):
         anchor = pool.anchor_of(args[i])
