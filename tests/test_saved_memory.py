@@ -6,6 +6,7 @@ given-back tensors with NaN, so a replay at the wrong time shows as a wrong grad
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import pytest
@@ -64,6 +65,7 @@ def _retain_graph_grads_match(backend) -> bool:
     jm = jit(model, backend.executor)
     ok = True
     for step in range(4):
+        gc.collect()  # garbage of an earlier test holding a graph's output would make a replay wait
         x = torch.randn(4, 16, device=backend.device)
         loss, ref = jm(x).square().mean(), reference(x).square().mean()
         for last in (False, True) if step >= 2 else (True,):
@@ -98,6 +100,7 @@ def _hooked_saved_tensors_intact(backend) -> bool:
     ok = True
     for _ in range(4):
         kept.clear()
+        gc.collect()  # as in _retain_graph_grads_match
         x = torch.randn(4, 16, device=backend.device)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = jm(x).square().mean()

@@ -51,7 +51,61 @@ def _view_symbol_ids() -> frozenset:
         impl = torch_executor.implmap.get(sym_id)
         if impl is not None and impl.symbol is not None:
             ids.add(impl.symbol.id)
+    # The torch executor's own operations that return views, which a lowered trace calls (``permute`` lowers
+    # ``prims.transpose``, and has no symbol of its own in the map above).
+    ids |= {torch_executor.opmap[name].id for name in _TORCH_VIEW_FUNCTIONS if name in torch_executor.opmap}
     return frozenset(ids)
+
+
+#: torch functions and methods that may return a view of (or the very) input tensor.
+_TORCH_VIEW_FUNCTIONS = frozenset(
+    [
+        "__getitem__",
+        "as_strided",
+        "broadcast_to",
+        "chunk",
+        "contiguous",
+        "detach",
+        "diagonal",
+        "dsplit",
+        "expand",
+        "expand_as",
+        "flatten",
+        "hsplit",
+        "imag",
+        "movedim",
+        "moveaxis",
+        "narrow",
+        "permute",
+        "ravel",
+        "real",
+        "reshape",
+        "reshape_as",
+        "select",
+        "shallow_copy",
+        "split",
+        "split_with_sizes",
+        "squeeze",
+        "swapaxes",
+        "swapdims",
+        "t",
+        "tensor_split",
+        "to",
+        "torch_slice_prim_impl",
+        "transpose",
+        "unbind",
+        "unflatten",
+        "unfold",
+        "unsafe_split",
+        "unsafe_split_with_sizes",
+        "unsqueeze",
+        "view",
+        "view_as",
+        "view_as_complex",
+        "view_as_real",
+        "vsplit",
+    ]
+)
 
 
 _VIEW_IDS = _view_symbol_ids()
