@@ -207,7 +207,7 @@ def _region_report(region: GraphedRegion) -> RegionReport:
             pool_bytes=i.pool_bytes,
             own_pool=not i.pool.shared,
             peak_added_bytes=i.peak_added,
-            given_back=[info.input_names[j] for j in i.given_back.indices] if i.given_back else [],
+            given_back=[info.input_names[j] for j in i.given_back.positions] if i.given_back else [],
             given_back_bytes=i.given_back.nbytes if i.given_back else 0,
         )
         for i in region.instances

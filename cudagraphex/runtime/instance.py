@@ -30,7 +30,7 @@ from cudagraphex.planning.static_inputs import InputKind
 from cudagraphex.runtime.guards import addresses_equal, layout_guard
 from cudagraphex.runtime.handout import Handout
 from cudagraphex.runtime.liveness import Liveness, Pool
-from cudagraphex.runtime.release import GivenBack, giving_back
+from cudagraphex.runtime.release import GivenBack, Storage, giving_back
 from cudagraphex.runtime.staging import input_buffer, picker
 
 if TYPE_CHECKING:
@@ -59,10 +59,10 @@ class Instance:
         args: Sequence[torch.Tensor],
         pool: Pool,
         read_in_place: frozenset[int] = frozenset(),
-        give_back: dict[int, tuple[int, int, int]] | None = None,
+        give_back: dict[int, Storage] | None = None,
     ) -> None:
-        """Captures the region for ``args`` into ``pool``, giving back the memory of the inputs ``give_back`` names
-        (``release.give_back_candidates``) at their last read. Raises :class:`~cudagraphex.capture.CaptureFailed`
+        """Captures the region for ``args`` into ``pool``, giving back the storages of ``give_back``
+        (``release.give_back_candidates``) at the last read of their inputs. Raises :class:`~cudagraphex.capture.CaptureFailed`
         where the capture fails."""
         # A tensor input that is None at run time (flash attention's cum_seq_q outside varlen) is a host value here.
         kinds = [InputKind.HOST_VALUE if a is None else kind for kind, a in zip(region.kinds, args, strict=True)]
@@ -109,7 +109,7 @@ class Instance:
         before = region.backend.reserved_bytes(region.device)
         start = time.perf_counter()
         give_back = give_back or {}
-        with giving_back(region.backend.release, {t: (i, uses) for t, (i, _, uses) in give_back.items()}) as given:
+        with giving_back(region.backend.release, give_back, args) as given:
             try:
                 self.graph, outputs = region.backend.capture(
                     region.fn,
@@ -120,10 +120,11 @@ class Instance:
                     mutated=sorted(region.mutated_idx),
                 )
             except CaptureFailed:
-                pool.note_given_back([pool.anchor_of(args[i]) for i in given])  # their memory is the pool's now
+                # The memory given back is the pool's now.
+                pool.note_given_back([(give_back[cd].owner, give_back[cd].group) for cd in given])
                 raise
-        #: The anchors this capture gave back, and when a replay may overwrite them again (None: it gave none back).
-        self.given_back = GivenBack(args, give_back, given, pool) if given else None
+        #: The storages this capture gave back, and when a replay may overwrite them again (None: it gave none back).
+        self.given_back = GivenBack(give_back, given, args) if given else None
         #: Per tensor input, the tensor the graph read: the caller's tensor (static, read in place) or its buffer.
         read = {i: graph_args[i] for i in self.static + copied}
         # The views of input buffers in graph_args (expanded inputs) must not count in the liveness baselines below.

@@ -20,10 +20,10 @@ When a graph may be replayed
     receives switch to copy-on-return, and the call replays another instance whose storages are free, captures one in
     a pool of its own, or runs eagerly (``GraphedRegion._on_held``).
 
-Given-back anchors
+Given-back storages
     A backward graph may give the memory of saved anchors back to the pool during its capture (``release``). Every
     graph captured into the pool after that may write those blocks, so its replay also waits until each given-back
-    anchor is referenced by our structures alone (its count at the owner's baseline).
+    storage is used by our anchors alone (its use count and its anchors' reference counts at their baselines).
 
 Baselines
     Both baselines are taken once, when nothing but the instance's own structures references its outputs, and those
@@ -59,7 +59,9 @@ class Pool:
         self.instances: list[Instance] = []
         #: Anchors handed out as themselves, by ``id``: (their instance's liveness, position among its direct anchors).
         self._anchors: dict[int, tuple[Liveness, int]] = {}
-        #: Anchors whose memory a capture gave back to this pool, in the order they were given back (an ordered set).
+        #: The storages of those anchors, by ``_cdata``: (their instance's liveness, output group).
+        self._groups: dict[int, tuple[Liveness, int]] = {}
+        #: Output groups whose memory a capture gave back to this pool, in order (an ordered set).
         self.given_back: dict[tuple[Liveness, int], None] = {}
 
     def register(self, instance: Instance) -> None:
@@ -67,33 +69,42 @@ class Pool:
         for earlier in self.instances:
             earlier.liveness.watch(instance.liveness)
         instance.liveness.watch(instance.liveness)
-        # ... and this one may write the memory of every anchor given back before it.
-        own = instance.given_back.anchors if instance.given_back else []
-        instance.liveness.watch_given_back([a for a in self.given_back if a not in own])
+        # ... and this one may write the memory given back before it.
+        own = instance.given_back.groups if instance.given_back else []
+        instance.liveness.watch_given_back([group for group in self.given_back if group not in own])
         self.note_given_back(own)
         if instance.emulated:  # the CPU replay backend overwrites what a real replay may overwrite
             instance.graph.overwrites = [*own, *instance.liveness.watch_back]
         self.instances.append(instance)
-        for k, anchor in enumerate(instance.liveness.direct):
-            self._anchors[id(anchor)] = (instance.liveness, k)
+        liveness = instance.liveness
+        for k, anchor in enumerate(liveness.direct):
+            self._anchors[id(anchor)] = (liveness, k)
+            self._groups[liveness.group_cdata[liveness.direct_group[k]]] = (liveness, liveness.direct_group[k])
 
-    def note_given_back(self, anchors: list[tuple[Liveness, int] | None]) -> None:
-        self.given_back.update((a, None) for a in anchors if a is not None)
+    def note_given_back(self, groups: Sequence[tuple[Liveness, int]]) -> None:
+        self.given_back.update((group, None) for group in groups)
 
     def unsafe_for_capture(self, args: Sequence[object]) -> bool:
-        """Whether a capture for ``args`` may take memory that is still in use: memory given back to this pool whose
-        anchor ``args`` hold, or that something still references (a backward still to run, say). A capture allocates
-        from the pool's free blocks, and its first replay follows at once."""
+        """Whether a capture for ``args`` may take memory that is still in use: memory given back to this pool that
+        ``args`` hold, or that something still references (a backward still to run, say). A capture allocates from
+        the pool's free blocks, and its first replay follows at once."""
         if not self.given_back:
             return False
-        return any(self.anchor_of(a) in self.given_back for a in args) or any(
-            refs(owner.direct, (k,))[0] != owner.direct_refs[k] for owner, k in self.given_back
+        return any(self.group_of(a) in self.given_back for a in args) or not all(
+            owner.group_unreferenced(g) for owner, g in self.given_back
         )
 
     def anchor_of(self, tensor: object) -> tuple[Liveness, int] | None:
         """The (liveness, position) of ``tensor`` if it is an anchor handed out as itself by a graph of this pool."""
         found = self._anchors.get(id(tensor))
         return found if found is not None and found[0].direct[found[1]] is tensor else None
+
+    def group_of(self, tensor: object) -> tuple[Liveness, int] | None:
+        """The (liveness, output group) whose storage ``tensor`` uses, if that is a storage of anchors handed out as
+        themselves by a graph of this pool (``tensor`` may be one, or an alias of one)."""
+        if not isinstance(tensor, torch.Tensor) or not self._groups:
+            return None
+        return self._groups.get(tensor.untyped_storage()._cdata)
 
 
 class Liveness:
@@ -109,16 +120,17 @@ class Liveness:
         self.direct_baseline = self._direct_references()
         #: Per direct anchor, its reference count (as ``release.refs`` takes it) when only our structures hold it.
         self.direct_refs = refs(self.direct, range(len(self.direct)))
-        self._group_size = [len(members) for members in handout.group_members]
+        self._members: dict[int, list[int]] = {}
+        for k, g in enumerate(self.direct_group):
+            self._members.setdefault(g, []).append(k)
         # Storages whose liveness gates this instance's replays: (cdata, baseline, owner instance, group).
         self.watched: list[tuple[int, int, Instance, int]] = []
         self.watch_cdata: list[int] = []
         self.watch_baseline = 0
         #: Instances (this one among them) whose anchors handed out as themselves gate this instance's replays.
         self.watch_direct: list[Liveness] = []
-        #: Given-back anchors this instance's replay may overwrite, and the sum of their baseline counts.
+        #: Given-back storages this instance's replay may overwrite: (owner's liveness, output group).
         self.watch_back: list[tuple[Liveness, int]] = []
-        self.watch_back_baseline = 0
 
     def _direct_references(self) -> int:
         # A holder in C++ (an autograd node, ctx.save_for_backward) counts too: while C++ shares a tensor, torch keeps
@@ -138,25 +150,27 @@ class Liveness:
         if other.direct:
             self.watch_direct.append(other)
 
-    def watch_given_back(self, anchors: list[tuple[Liveness, int]]) -> None:
-        """Makes the given-back ``anchors`` gate this instance's replays."""
-        self.watch_back += anchors
-        self.watch_back_baseline += sum(owner.direct_refs[k] for owner, k in anchors)
+    def watch_given_back(self, groups: list[tuple[Liveness, int]]) -> None:
+        """Makes the given-back storages of ``groups`` gate this instance's replays."""
+        self.watch_back += groups
 
-    def alone_on_storage(self, k: int) -> bool:
-        """Whether direct anchor ``k`` is the only tensor on its storage (no other output, no alias anyone holds)."""
-        g = self.direct_group[k]
-        return self._group_size[g] == 1 and _use_count(self.group_cdata[g]) == self.group_baseline[g]
+    def members(self, g: int) -> list[int]:
+        """The positions among the direct anchors of those in output group ``g``."""
+        return self._members.get(g, [])
 
-    def _given_back_unreferenced(self) -> bool:
-        return sum(refs(owner.direct, (k,))[0] for owner, k in self.watch_back) == self.watch_back_baseline
+    def group_unreferenced(self, g: int) -> bool:
+        """Whether only our structures reference the storage of direct group ``g``: no alias of it, no holder of its
+        anchors."""
+        return _use_count(self.group_cdata[g]) == self.group_baseline[g] and all(
+            refs(self.direct, (k,))[0] == self.direct_refs[k] for k in self.members(g)
+        )
 
     def free(self) -> bool:
         """Whether no storage this instance's replay writes is referenced by anything but anchors."""
         if (
             sum(map(_use_count, self.watch_cdata)) == self.watch_baseline
             and (not self.watch_direct or all(other.direct_unreferenced() for other in self.watch_direct))
-            and (not self.watch_back or self._given_back_unreferenced())
+            and (not self.watch_back or all(owner.group_unreferenced(g) for owner, g in self.watch_back))
         ):
             return True
         return not PROTECTIONS["output_liveness"]
@@ -167,7 +181,5 @@ class Liveness:
         for other in self.watch_direct:
             if not other.direct_unreferenced():
                 pairs += [(other.owner, g) for g in sorted(set(other.direct_group))]
-        for owner, k in self.watch_back:
-            if refs(owner.direct, (k,))[0] != owner.direct_refs[k]:
-                pairs.append((owner.owner, owner.direct_group[k]))
+        pairs += [(owner.owner, g) for owner, g in self.watch_back if not owner.group_unreferenced(g)]
         return pairs

@@ -39,6 +39,7 @@ overwrite with garbage (NaN, or an integer's minimum), so that a missed conditio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import dis
 import sys
 import threading
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from cudagraphex.runtime.liveness import Liveness, Pool
     from cudagraphex.runtime.region import GraphedRegion
 
-__all__ = ["GivenBack", "give_back_candidates", "giving_back", "poison", "release_point"]
+__all__ = ["GivenBack", "Storage", "give_back_candidates", "giving_back", "poison", "release_point"]
 
 _use_count = torch._C._storage_Use_Count
 _state = threading.local()
@@ -75,28 +76,36 @@ def keeps_graph() -> bool:
 
 
 def release_point(tensor: torch.Tensor) -> None:
-    """Called by a region's code right after its last read of an input it reads last; gives the tensor's memory back
-    when the running capture was told to (:func:`giving_back`), and does nothing otherwise."""
+    """Called by a region's code right after its last read of an input it reads last; gives the memory of the
+    tensor's storage back once the running capture has passed the release points of every input on that storage, if
+    it was told to (:func:`giving_back`). Does nothing otherwise."""
     wanted = getattr(_state, "wanted", None)
     if wanted is None:
         return
-    index, uses = wanted.pop(id(tensor), (None, 0))
-    # A view of it still alive (one the trace analysis did not see) holds its storage: it keeps its memory.
-    if index is not None and _use_count(tensor.untyped_storage()._cdata) == uses and _state.release(tensor):
-        _state.done.append(index)
+    cdata = wanted.pop(id(tensor), None)
+    if cdata is None:
+        return
+    storage = _state.storages[cdata]
+    storage.pending -= 1
+    # A view made inside the region and still alive (one the trace analysis did not see) uses the storage: it stays.
+    if storage.pending == 0 and _use_count(cdata) == storage.uses and _state.release(tensor):
+        _state.done.append(cdata)
 
 
 @contextlib.contextmanager
-def giving_back(release, wanted: dict[int, tuple[int, int]]) -> Iterator[list[int]]:
-    """While a capture runs: the release points give back the tensors of ``wanted`` (``id`` -> (input index, the use
-    count of its storage when nothing but the tensor uses it)) with ``release``; yields the list of input indices
-    given back, in order, which stays valid if the capture fails."""
+def giving_back(release, storages: dict[int, Storage], args: Sequence[object]) -> Iterator[list[int]]:
+    """While a capture runs: the release points give back the ``storages`` (by ``_cdata``, from
+    :func:`give_back_candidates`) with ``release``; yields the list of the storages given back, in order, which
+    stays valid if the capture fails."""
     done: list[int] = []
-    _state.wanted, _state.release, _state.done = dict(wanted), release, done
+    for storage in storages.values():
+        storage.pending = len(storage.positions)
+    _state.wanted = {id(args[i]): cdata for cdata, storage in storages.items() for i in storage.positions}
+    _state.storages, _state.release, _state.done = storages, release, done
     try:
         yield done
     finally:
-        _state.wanted = _state.release = _state.done = None
+        _state.wanted = _state.storages = _state.release = _state.done = None
 
 
 # -- the call path -------------------------------------------------------------------------------------------------
@@ -170,35 +179,65 @@ def read_after_call(frame: types.FrameType, names: Sequence[str]) -> set[str]:
 # -- deciding at capture ---------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class Storage:
+    """A storage of a forward graph's anchors (one output group) that a capture may give back."""
+
+    owner: Liveness
+    group: int
+    #: The positions of the call's arguments on it (anchors, or Thunder's detached aliases of anchors that are views).
+    positions: list[int]
+    #: Their reference counts at the capture, as :func:`refs` takes them.
+    counts: list[int]
+    #: Its use count at the capture: the anchors' and the aliases' tensors.
+    uses: int
+    pending: int = 0
+
+
 def give_back_candidates(
     region: GraphedRegion, args: Sequence[object], pool: Pool, static: Sequence[int]
-) -> dict[int, tuple[int, int, int]]:
-    """The inputs a capture of ``region`` for ``args`` into ``pool`` may give back (module docstring): ``id`` of the
-    tensor -> (input index, its reference count now as :func:`refs` takes it, its storage's use count). Call it where
-    nothing but the call references the arguments (no list of them)."""
+) -> dict[int, Storage]:
+    """The storages a capture of ``region`` for ``args`` into ``pool`` may give back (module docstring), by their
+    ``_cdata``. Call it where nothing but the call references the arguments (no list of them)."""
     guarded = PROTECTIONS["given_back_guard"]
     if not region.last_read_idx or not pool.shared or (guarded and keeps_graph()):
+        return {}
+    on: dict[tuple[Liveness, int], list[int]] = {}
+    for i in range(len(args)):
+        group = pool.group_of(args[i])
+        if group is not None and group not in pool.given_back:
+            on.setdefault(group, []).append(i)
+    if not on:
         return {}
     frame = caller_frame()
     if frame is None:
         return {}
-    positions = [i for i in region.last_read_idx if i in static and isinstance(args[i], torch.Tensor)]
-    names = [region.info.input_names[i] for i in positions]
-    later = read_after_call(frame, names)
+    names = region.info.input_names
+    last = set(region.last_read_idx) & set(static)
+    later = read_after_call(frame, [names[i] for positions in on.values() for i in positions])
     del frame
-    # What a count taken by ``refs`` holds beyond our structures' references and the call's.
+    # What a count taken by ``refs`` holds beyond our structures' references: the call's.
     call_only = call_path_refs(len(args)) - _refs_temps()
-    found: dict[int, tuple[int, int, int]] = {}
-    for i, name in zip(positions, names, strict=True):
-        anchor = pool.anchor_of(args[i])
-        if name in later or anchor is None or anchor in pool.given_back:
+    found: dict[int, Storage] = {}
+    for (owner, g), positions in on.items():
+        if any(i not in last or names[i] in later or sum(a is args[i] for a in args) != 1 for i in positions):
             continue
-        liveness, k = anchor
-        if sum(a is args[i] for a in args) != 1 or not liveness.alone_on_storage(k):
-            continue
-        count = refs(args, (i,))[0]
-        if count == liveness.direct_refs[k] + call_only or not guarded:
-            found[id(args[i])] = (i, count, _use_count(args[i].untyped_storage()._cdata))
+        counts = refs(args, positions)
+        expected = []
+        aliases = 0
+        for i in positions:
+            anchor = pool.anchor_of(args[i])
+            aliases += anchor is None
+            expected.append(call_only + (0 if anchor is None else anchor[0].direct_refs[anchor[1]]))
+        passed = {id(args[i]) for i in positions}
+        others_free = all(
+            refs(owner.direct, (k,))[0] == owner.direct_refs[k]
+            for k in owner.members(g)
+            if id(owner.direct[k]) not in passed
+        )
+        uses = _use_count(owner.group_cdata[g])
+        if not guarded or (counts == expected and others_free and uses == owner.group_baseline[g] + aliases):
+            found[owner.group_cdata[g]] = Storage(owner, g, positions, counts, uses)
     return found
 
 
@@ -214,40 +253,39 @@ def _refs_temps() -> int:
 
 
 class GivenBack:
-    """The anchors one instance's capture gave back, and the check that its replay may overwrite them again."""
+    """The storages one instance's capture gave back, and the check that its replay may overwrite them again."""
 
-    def __init__(
-        self,
-        args: Sequence[torch.Tensor],
-        candidates: dict[int, tuple[int, int, int]],
-        done: Sequence[int],
-        pool: Pool,
-    ) -> None:
-        counts = {i: count for i, count, _ in candidates.values()}
-        self.indices = list(done)
-        self.anchors = [pool.anchor_of(args[i]) for i in self.indices]
-        self.counts = [counts[i] for i in self.indices]
-        self.cdata = [args[i].untyped_storage()._cdata for i in self.indices]
-        self.uses = [_use_count(cd) for cd in self.cdata]
-        self.nbytes = sum(args[i].untyped_storage().nbytes() for i in self.indices)
+    def __init__(self, storages: dict[int, Storage], done: Sequence[int], args: Sequence[torch.Tensor]) -> None:
+        given = [storages[cdata] for cdata in done]
+        #: (owner's liveness, output group) of each storage given back.
+        self.groups = [(s.owner, s.group) for s in given]
+        self.positions = [i for s in given for i in s.positions]
+        self.counts = [c for s in given for c in s.counts]
+        self.cdata = list(done)
+        self.uses = [s.uses for s in given]
+        #: The owners' anchors on them that this call does not pass: nothing may hold them either.
+        passed = {id(args[i]) for i in self.positions}
+        self.others = [
+            (s.owner, k) for s in given for k in s.owner.members(s.group) if id(s.owner.direct[k]) not in passed
+        ]
+        self.nbytes = sum(args[s.positions[0]].untyped_storage().nbytes() for s in given)
 
     def allow(self, args: Sequence[torch.Tensor]) -> bool:
-        """Whether this call may replay the graph: its given-back inputs are referenced by the call alone."""
+        """Whether this call may replay the graph: the memory it gave back is referenced by the call alone."""
         if not PROTECTIONS["given_back_guard"]:
             return True
         return (
             not keeps_graph()
-            and refs(args, self.indices) == self.counts
+            and refs(args, self.positions) == self.counts
             and [_use_count(cd) for cd in self.cdata] == self.uses
+            and all(refs(owner.direct, (k,))[0] == owner.direct_refs[k] for owner, k in self.others)
         )
 
 
-def poison(anchors: Sequence[tuple[Liveness, int]]) -> None:
-    """Overwrites ``anchors`` with garbage, as a replay that reuses their memory does (CPU replay backend)."""
+def poison(groups: Sequence[tuple[Liveness, int]]) -> None:
+    """Overwrites the storages of ``groups`` with bytes 0xFF (NaN in every floating dtype, -1 in integers), as a replay
+    that reuses their memory does (CPU replay backend)."""
     with torch.no_grad():
-        for liveness, k in anchors:
-            tensor = liveness.direct[k]
-            if tensor.is_floating_point() or tensor.is_complex():
-                tensor.data.fill_(float("nan"))
-            elif tensor.dtype != torch.bool:
-                tensor.data.fill_(torch.iinfo(tensor.dtype).min)
+        for owner, g in groups:
+            storage = owner.direct[owner.members(g)[0]].untyped_storage()
+            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).fill_(255)
