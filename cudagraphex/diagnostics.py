@@ -36,8 +36,8 @@ class GraphReport:
     #: How far the process's peak allocated memory (``torch.cuda.max_memory_allocated``) rose while the graph's input
     #: buffers were made and it was captured; 0 where that stayed below an earlier peak, and on the CPU backend.
     peak_added_bytes: int
-    #: The saved tensors whose memory the capture gave back to the pool at their last read, for its own and later
-    #: captures' allocations (a backward graph; their storages' bytes).
+    #: The saved tensors whose storages the capture gave back to the pool after their last read, for its own and
+    #: later captures' allocations (a backward graph), and those storages' bytes.
     given_back: list[str] = field(default_factory=list)
     given_back_bytes: int = 0
 

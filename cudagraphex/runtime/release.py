@@ -1,39 +1,43 @@
-"""Giving a saved tensor's memory back to its pool at its last use inside a backward graph's capture.
+"""Giving saved tensors' memory back to the pool at their last read inside a backward graph's capture.
 
 A forward graph's tensors saved for backward are its anchors: its replays write them, the backward reads them. Inside
-the backward's capture, a saved tensor read for the last time is given back to the pool (its block is freed, the
-tensor object keeps its address and loses its deleter), so later allocations of the same capture reuse the block, as
-a plain backward reuses the memory of the saved tensors it has consumed. Every replay of that backward graph then
-overwrites those anchors after reading them; the next forward replay writes them afresh.
+the backward's capture, once the tensors on an anchors' storage have been read for the last time, the storage is given
+back to the pool (its block is freed, the tensors keep their address and the storage loses its deleter), so later
+allocations of the same capture reuse the block, as a plain backward reuses the memory of the saved tensors it has
+consumed. Every replay of that backward graph then overwrites the storage after reading it; the next forward replay
+writes it afresh.
 
 Invariants
 ==========
 
 What may be given back
-    Input ``i`` of a backward region, read in place, when all of these hold at the capture:
+    The storage of one output group of a forward graph (``Storage``), when all of these hold at the capture:
 
-    * the region reads it last: nothing after the region in the trace reads it, the region neither writes nor
-      returns it (``RegionSpec.last_read``), and the caller's code does not load the local that holds it after the
-      call (checked on the calling frame's bytecode);
-    * it is a forward graph's anchor handed out as itself, captured into the same pool, alone on its storage, and
-      not given back before;
-    * nothing but the call references it: the backward runs with ``retain_graph=False``, its storage has no user
-      beyond the anchor, and its Python reference count is that of our own structures plus the call path's (one
-      local, its argument slots; measured once per process and number of arguments on a probe of the same shape,
-      :func:`call_path_refs`).
+    * every input of the region on it is read last by the region: nothing after the region in the trace reads it,
+      the region neither writes nor returns it (``RegionSpec.last_read``), and the caller's code does not load the
+      local that holds it after the call (checked on the calling frame's bytecode); each is read in place, and passed
+      once;
+    * the group's anchors were handed out as themselves by a graph of the same pool, and the storage was not given
+      back before;
+    * nothing but the call references it: the backward runs with ``retain_graph=False``; each anchor's reference count
+      is our structures' plus, if the call passes it, the call path's; each alias passed (Thunder saves a detached
+      alias of an anchor that is a view) has the call path's alone; the storage's use count is the anchors' and the
+      aliases'. The call path's share (the caller's local, its argument slots) is measured once per process and
+      number of arguments on a probe of the same shape (:func:`call_path_refs`).
 
-When a graph that gave tensors back may replay
+When a graph that gave memory back may replay
     Only under the same conditions, checked on every call (:class:`GivenBack`): ``retain_graph=False``, the same
-    reference counts and storage use counts as at the capture. Otherwise the call takes another instance, or one
-    captured in a pool of its own (``GraphedRegion``).
+    reference counts and use counts as at the capture. Otherwise the call takes another instance, or one captured in
+    a pool of its own (``GraphedRegion``).
 
-Who else may overwrite a given-back anchor
+Who else may overwrite a given-back storage
     Any graph captured later into the pool may take its block. Each such graph's replay therefore waits until the
-    given-back anchors are referenced by our structures alone (``Liveness.watch_given_back``), and a graph that reads
-    a given-back anchor is captured into a pool of its own, where no allocation can take the block it reads.
+    storage is used by its anchors alone, at their baseline counts (``Liveness.watch_given_back``); a capture that
+    reads a given-back storage, or happens while one is in use, goes to a pool of its own, where no allocation can
+    take it.
 
-On the CPU replay backend nothing is freed; instead each replay of such a graph overwrites the anchors it may
-overwrite with garbage (NaN, or an integer's minimum), so that a missed condition shows as a wrong result.
+On the CPU replay backend nothing is freed; instead each replay of such a graph overwrites the storages it may
+overwrite with bytes 0xFF (NaN in every floating dtype), so that a missed condition shows as a wrong result.
 """
 
 from __future__ import annotations
