@@ -58,6 +58,25 @@ def test_a_gpt_backward_with_many_inputs_gives_back_saved_memory(backend):
     assert len(graph.given_back) >= 20
 
 
+def _square_of_a_view(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = (x @ w).view(2, 4, 8)
+    return (y * y).sum()
+
+
+def test_a_saved_view_is_given_back_through_the_alias_thunder_saves(backend):
+    """Thunder saves a detached alias of a saved tensor that is a view; its storage is given back all the same."""
+    w = torch.randn(8, 8, device=backend.device, requires_grad=True)
+    reference = w.detach().clone().requires_grad_()
+    jf = jit(_square_of_a_view, backend.executor)
+    for _ in range(3):
+        x = torch.randn(8, 8, device=backend.device)
+        jf(x, w).backward()
+        _square_of_a_view(x, reference).backward()
+        torch.testing.assert_close(w.grad, reference.grad)
+    (graph,) = _backward_graphs(jf)
+    assert graph.given_back and graph.given_back_bytes > 0
+
+
 def _retain_graph_grads_match(backend) -> bool:
     """Two plain steps (the backward graph gives saved memory back), then two steps of two backwards each."""
     model = mlp(3, 16).to(backend.device)

@@ -220,8 +220,9 @@ def give_back_candidates(
     last = set(region.last_read_idx) & set(static)
     later = read_after_call(frame, [names[i] for positions in on.values() for i in positions])
     del frame
-    # What a count taken by ``refs`` holds beyond our structures' references: the call's.
-    call_only = call_path_refs(len(args)) - _refs_temps()
+    # A count taken by ``refs``: an alias's is the call path's; an anchor's adds our structures' (its baseline, which
+    # holds the temporaries of taking a count once more).
+    call = call_path_refs(len(args))
     found: dict[int, Storage] = {}
     for (owner, g), positions in on.items():
         if any(i not in last or names[i] in later or sum(a is args[i] for a in args) != 1 for i in positions):
@@ -232,7 +233,7 @@ def give_back_candidates(
         for i in positions:
             anchor = pool.anchor_of(args[i])
             aliases += anchor is None
-            expected.append(call_only + (0 if anchor is None else anchor[0].direct_refs[anchor[1]]))
+            expected.append(call if anchor is None else call + anchor[0].direct_refs[anchor[1]] - _refs_temps())
         passed = {id(args[i]) for i in positions}
         others_free = all(
             refs(owner.direct, (k,))[0] == owner.direct_refs[k]
