@@ -62,8 +62,8 @@ class Instance:
         give_back: dict[int, Storage] | None = None,
     ) -> None:
         """Captures the region for ``args`` into ``pool``, giving back the storages of ``give_back``
-        (``release.give_back_candidates``) at the last read of their inputs. Raises :class:`~cudagraphex.capture.CaptureFailed`
-        where the capture fails."""
+        (``release.give_back_candidates``) at the last read of their inputs. Raises
+        :class:`~cudagraphex.capture.CaptureFailed` where the capture fails."""
         # A tensor input that is None at run time (flash attention's cum_seq_q outside varlen) is a host value here.
         kinds = [InputKind.HOST_VALUE if a is None else kind for kind, a in zip(region.kinds, args, strict=True)]
         # Dropout RNG state that an eager run left in host memory is copied to the device, where a graph reads it.
