@@ -14,8 +14,8 @@ What a padded replay reads and hands out
     A call is padded only into a graph captured from arguments of the same memory layouts (``memory_layout``), so its
     results are laid out as the step lays them out for the call. The call's rows are copied into the first rows of the
     graph's argument buffers; the rows after them keep what an earlier call left (real data, so no padded row computes
-    on garbage). Each output that carries the batch is handed
-    out as a new copy of its first rows (``rows * inner`` entries along dim 0); an output that carries none, whole.
+    on garbage). Each output that carries the batch is handed out as a new copy of its first rows (``rows * inner``
+    entries along dim 0); an output that carries none, whole.
 """
 
 from __future__ import annotations
