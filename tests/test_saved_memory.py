@@ -77,6 +77,25 @@ def test_a_saved_view_is_given_back_through_the_alias_thunder_saves(backend):
     assert graph.given_back and graph.given_back_bytes > 0
 
 
+def _softmax_used_twice(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = (x @ w).softmax(-1)
+    b = torch.nn.functional.dropout(a, 0.0)  # the same tensor as ``a``: the backward takes it under two names
+    return (a * b).sum() + (b @ w).sum()
+
+
+def test_a_tensor_saved_under_two_names_is_given_back_after_both_are_read(backend):
+    w = torch.randn(8, 8, device=backend.device, requires_grad=True)
+    reference = w.detach().clone().requires_grad_()
+    jf = jit(_softmax_used_twice, backend.executor)
+    for _ in range(3):
+        x = torch.randn(4, 8, device=backend.device)
+        jf(x, w).backward()
+        _softmax_used_twice(x, reference).backward()
+        torch.testing.assert_close(w.grad, reference.grad)
+    (graph,) = _backward_graphs(jf)
+    assert len(graph.given_back) == 2 and graph.given_back_bytes == 4 * 8 * 4
+
+
 def _retain_graph_grads_match(backend) -> bool:
     """Two plain steps (the backward graph gives saved memory back), then two steps of two backwards each."""
     model = mlp(3, 16).to(backend.device)

@@ -15,8 +15,8 @@ What may be given back
 
     * every input of the region on it is read last by the region: nothing after the region in the trace reads it,
       the region neither writes nor returns it (``RegionSpec.last_read``), and the caller's code does not load the
-      local that holds it after the call (checked on the calling frame's bytecode); each is read in place, and passed
-      once;
+      local that holds it after the call (checked on the calling frame's bytecode); each is read in place. A tensor
+      passed under several names has a release point for each, and the storage goes back at the last of them;
     * the group's anchors were handed out as themselves by a graph of the same pool, and the storage was not given
       back before;
     * nothing but the call references it: the backward runs with ``retain_graph=False``; each anchor's reference count
@@ -86,7 +86,7 @@ def release_point(tensor: torch.Tensor) -> None:
     wanted = getattr(_state, "wanted", None)
     if wanted is None:
         return
-    cdata = wanted.pop(id(tensor), None)
+    cdata = wanted.get(id(tensor))
     if cdata is None:
         return
     storage = _state.storages[cdata]
@@ -225,16 +225,19 @@ def give_back_candidates(
     call = call_path_refs(len(args))
     found: dict[int, Storage] = {}
     for (owner, g), positions in on.items():
-        if any(i not in last or names[i] in later or sum(a is args[i] for a in args) != 1 for i in positions):
+        if any(i not in last or names[i] in later for i in positions):
             continue
         counts = refs(args, positions)
         expected = []
-        aliases = 0
+        passed: dict[int, bool] = {}
         for i in positions:
             anchor = pool.anchor_of(args[i])
-            aliases += anchor is None
-            expected.append(call if anchor is None else call + anchor[0].direct_refs[anchor[1]] - _refs_temps())
-        passed = {id(args[i]) for i in positions}
+            passed[id(args[i])] = anchor is None
+            # The call path holds a tensor passed at several positions once per position; the temporaries of taking
+            # the count, once.
+            held = (call - _refs_temps()) * sum(a is args[i] for a in args) + _refs_temps()
+            expected.append(held if anchor is None else held + anchor[0].direct_refs[anchor[1]] - _refs_temps())
+        aliases = sum(passed.values())
         others_free = all(
             refs(owner.direct, (k,))[0] == owner.direct_refs[k]
             for k in owner.members(g)
