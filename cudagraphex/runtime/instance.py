@@ -125,8 +125,11 @@ class Instance:
                 raise
         #: The storages this capture gave back, and when a replay may overwrite them again (None: it gave none back).
         self.given_back = GivenBack(give_back, given, args) if given else None
-        #: Per tensor input, the tensor the graph read: the caller's tensor (static, read in place) or its buffer.
-        read = {i: graph_args[i] for i in self.static + copied}
+        #: Per tensor input, the tensor the graph read: the caller's tensor (static, read in place) or its buffer. An
+        #: input whose memory was given back is left out: an output the capture allocated in that memory has its
+        #: address without being a view of it (a region returns no view of an input it reads last).
+        released = set(self.given_back.positions) if self.given_back else set()
+        read = {i: graph_args[i] for i in self.static + copied if i not in released}
         # The views of input buffers in graph_args (expanded inputs) must not count in the liveness baselines below.
         del graph_args
         self.emulated = isinstance(self.graph, EmulatedGraph)
