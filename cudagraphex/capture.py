@@ -12,6 +12,7 @@ import contextlib
 import gc
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -187,16 +188,17 @@ class EmulatedGraph:
         call_args = [_thaw(a) for a in self._frozen]
         for i in self._static:
             call_args[i] = args[i]
-        for target, fresh in zip(self._outputs, self._fn(*call_args), strict=True):
+        results = self._fn(*call_args)
+        if self.overwrites:  # after the reads, before the writes of the outputs, which may live in that memory
+            from cudagraphex.runtime.release import poison
+
+            poison(self.overwrites)
+        for target, fresh in zip(self._outputs, results, strict=True):
             if target is None:
                 continue
             if fresh.untyped_storage().data_ptr() != target.untyped_storage().data_ptr():
                 dims = expanded_dims(target)
                 unexpand(target, dims).copy_(unexpand(fresh, dims))
-        if self.overwrites:
-            from cudagraphex.runtime.release import poison
-
-            poison(self.overwrites)
 
 
 class _FrozenView(NamedTuple):
@@ -242,8 +244,12 @@ class EmulatedBackend:
         return 0
 
     def release(self, tensor: torch.Tensor) -> bool:
-        """Nothing to free on the CPU: a replay that may reuse the memory overwrites the tensor instead
+        """Nothing is freed on the CPU. As the caching allocator would, the running capture puts outputs it allocated
+        in that memory (:func:`_into_given_back`), and a replay that may reuse it overwrites it
         (``EmulatedGraph.overwrites``)."""
+        given_back = getattr(_capturing, "given_back", None)
+        if given_back is not None:
+            given_back.append(tensor.untyped_storage())
         return True
 
     def capture(
@@ -261,18 +267,71 @@ class EmulatedBackend:
             before = [(args[i], args[i].clone()) for i in mutated] if undo else []
             rng_state = torch.get_rng_state()
             _capturing.active = True
+            _capturing.given_back = given_back = []
             try:
                 outputs = tuple(fn(*args))
             except BaseException as e:
                 raise CaptureFailed(f"{type(e).__name__}: {e}") from e
             finally:
                 _capturing.active = False
+                _capturing.given_back = None
                 if PROTECTIONS["restore_rng_after_capture"]:
                     torch.set_rng_state(rng_state)
                 with torch.no_grad():
                     for tensor, value in before:
                         tensor.copy_(value)
+            _into_given_back(outputs, args, given_back)
         return EmulatedGraph(fn, args, static, outputs), outputs
+
+
+#: Per given-back storage (by address), the outputs living in its memory (``_into_given_back``), weakly.
+_living_in: dict[int, list[weakref.ref]] = {}
+
+
+def _into_given_back(
+    outputs: Sequence[torch.Tensor | None], args: Sequence[Any], given_back: list[torch.UntypedStorage]
+) -> None:
+    """Moves each storage of ``outputs`` that the capture allocated (no input's, no view's) into the first given-back
+    storage it fits, on a storage object of its own at that address, as a CUDA capture may allocate it in a block
+    given back before. Each is used once, so the outputs stay apart; it lives as long as the tensors moved into it."""
+    if not given_back:
+        return
+    inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for out in outputs:
+        if out is not None:
+            by_storage.setdefault(out.untyped_storage().data_ptr(), []).append(out)
+    free = list(given_back)
+    for ptr, members in by_storage.items():
+        storage = members[0].untyped_storage()
+        if ptr in inputs or any(m._is_view() for m in members):
+            continue
+        block = next((b for b in free if b.nbytes() >= storage.nbytes()), None)
+        if block is None:
+            continue
+        free.remove(block)
+        moved = torch._C._construct_storage_from_data_pointer(block.data_ptr(), block.device, storage.nbytes())
+        with torch.no_grad():  # no values: as after a CUDA capture, the first replay writes them
+            for m in members:
+                m.set_(moved, m.storage_offset(), m.size(), m.stride())
+                weakref.finalize(m, list.clear, [block])
+        living = [ref for ref in _living_in.get(block.data_ptr(), []) if ref() is not None]
+        _living_in[block.data_ptr()] = living + [weakref.ref(m) for m in members]
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def overwrite_given_back(storage: torch.UntypedStorage) -> None:
+    """Fills ``storage``, given back, with bytes 0xFF (NaN in every floating dtype, -1 in integers), as a replay that
+    reuses its memory does, except where outputs of a graph live in it (no other allocation can take those bytes)."""
+    living = [t for ref in _living_in.get(storage.data_ptr(), []) if (t := ref()) is not None]
+    with torch.no_grad():
+        kept = [t.clone() for t in living]
+        _bytes_of(storage).fill_(255)
+        for t, value in zip(living, kept, strict=True):
+            t.copy_(value)
 
 
 _BACKENDS = {"cuda": CudaBackend, "emulate": EmulatedBackend}

@@ -36,8 +36,9 @@ Who else may overwrite a given-back storage
     reads a given-back storage, or happens while one is in use, goes to a pool of its own, where no allocation can
     take it.
 
-On the CPU replay backend nothing is freed; instead each replay of such a graph overwrites the storages it may
-overwrite with bytes 0xFF (NaN in every floating dtype), so that a missed condition shows as a wrong result.
+On the CPU replay backend nothing is freed. Instead the capture places outputs it allocated in given-back memory, as
+the caching allocator may, and each replay of such a graph overwrites the rest of the storages it may overwrite with
+bytes 0xFF (NaN in every floating dtype), so that a missed condition shows as a wrong result.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cudagraphex._protections import PROTECTIONS
+from cudagraphex.capture import overwrite_given_back
 
 if TYPE_CHECKING:
     from cudagraphex.runtime.liveness import Liveness, Pool
@@ -291,9 +293,6 @@ class GivenBack:
 
 
 def poison(groups: Sequence[tuple[Liveness, int]]) -> None:
-    """Overwrites the storages of ``groups`` with bytes 0xFF (NaN in every floating dtype, -1 in integers), as a replay
-    that reuses their memory does (CPU replay backend)."""
-    with torch.no_grad():
-        for owner, g in groups:
-            storage = owner.direct[owner.members(g)[0]].untyped_storage()
-            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).fill_(255)
+    """Overwrites the storages of ``groups`` as a replay that reuses their memory does (CPU replay backend)."""
+    for owner, g in groups:
+        overwrite_given_back(owner.direct[owner.members(g)[0]].untyped_storage())
