@@ -22,6 +22,13 @@ def _backward_graphs(jm) -> list:
     return [g for r in explain(jm).regions if r.phase == "backward" for g in r.graphs]
 
 
+def _backward_graph(jm):
+    """The one backward graph of ``jm``."""
+    graphs = _backward_graphs(jm)
+    assert len(graphs) == 1, explain(jm)
+    return graphs[0]
+
+
 def test_a_backward_graph_gives_back_the_saved_tensors_it_reads_last(backend):
     model = mlp(3, 64).to(backend.device)
     reference = twin(model)
@@ -33,7 +40,7 @@ def test_a_backward_graph_gives_back_the_saved_tensors_it_reads_last(backend):
         assert_grads_close(model, reference)
         model.zero_grad()
         reference.zero_grad()
-    (graph,) = _backward_graphs(jm)
+    graph = _backward_graph(jm)
     assert graph.given_back and graph.given_back_bytes > 0
     assert graph.replays == 3
     assert "gave back the memory of" in str(explain(jm))
@@ -54,7 +61,7 @@ def test_a_gpt_backward_with_many_inputs_gives_back_saved_memory(backend):
         assert_grads_close(model, reference, atol=1e-4, rtol=1e-4)
         model.zero_grad()
         reference.zero_grad()
-    (graph,) = _backward_graphs(jm)
+    graph = _backward_graph(jm)
     assert len(graph.given_back) >= 20
 
 
@@ -73,7 +80,7 @@ def test_a_saved_view_is_given_back_through_the_alias_thunder_saves(backend):
         jf(x, w).backward()
         _square_of_a_view(x, reference).backward()
         torch.testing.assert_close(w.grad, reference.grad)
-    (graph,) = _backward_graphs(jf)
+    graph = _backward_graph(jf)
     assert graph.given_back and graph.given_back_bytes > 0
 
 
@@ -92,7 +99,7 @@ def test_a_tensor_saved_under_two_names_is_given_back_after_both_are_read(backen
         jf(x, w).backward()
         _softmax_used_twice(x, reference).backward()
         torch.testing.assert_close(w.grad, reference.grad)
-    (graph,) = _backward_graphs(jf)
+    graph = _backward_graph(jf)
     assert len(graph.given_back) == 2 and graph.given_back_bytes == 4 * 8 * 4
 
 
@@ -204,7 +211,7 @@ def test_giving_saved_memory_back_shrinks_the_backward_graphs_memory():
             loss = jm(x).square().mean()
             loss.backward(retain_graph=retain_graph)  # a graph kept for a second backward gives nothing back
             del loss
-        (graph,) = _backward_graphs(jm)
+        graph = _backward_graph(jm)
         assert bool(graph.given_back) is not retain_graph
         return graph.pool_bytes, graph.given_back_bytes
 

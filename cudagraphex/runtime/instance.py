@@ -18,6 +18,7 @@ Replay
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -183,7 +184,8 @@ class Instance:
         """Copies ``copied`` (the copied inputs of ``args``) into the graph, replays it and hands out its outputs."""
         self.copy_in(copied)
         if self.emulated:
-            self.graph.replay(args)
+            with self.given_back.overwritten_at_release(args) if self.given_back else contextlib.nullcontext():
+                self.graph.replay(args)
         else:
             self.graph.replay()
             if self.written_in_place:  # as eager's in-place ops do, so that autograd sees the writes

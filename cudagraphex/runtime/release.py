@@ -267,6 +267,7 @@ class GivenBack:
 
     def __init__(self, storages: dict[int, Storage], done: Sequence[int], args: Sequence[torch.Tensor]) -> None:
         given = [storages[cdata] for cdata in done]
+        self._storages = {cdata: storages[cdata] for cdata in done}
         #: (owner's liveness, output group) of each storage given back.
         self.groups = [(s.owner, s.group) for s in given]
         self.positions = [i for s in given for i in s.positions]
@@ -290,6 +291,16 @@ class GivenBack:
             and [_use_count(cd) for cd in self.cdata] == self.uses
             and all(refs(owner.direct, (k,))[0] == owner.direct_refs[k] for owner, k in self.others)
         )
+
+    def overwritten_at_release(self, args: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager:
+        """While an emulated replay runs: each storage given back is overwritten at its release point, as the
+        allocations after it in a real replay may overwrite it."""
+        return giving_back(_overwrite, self._storages, args)
+
+
+def _overwrite(tensor: torch.Tensor) -> bool:
+    overwrite_given_back(tensor.untyped_storage())
+    return True
 
 
 def poison(groups: Sequence[tuple[Liveness, int]]) -> None:
