@@ -335,6 +335,8 @@ class StepGraph:
             self._refuse(key, problem)
         if out is NOT_RUN:
             return self._plain(args, kwargs, "not captured", inside_step=False)
+        if problem is not None:  # the emulated capture ran ``fn``: that run is this call's, not captured
+            self._count_plain("not captured")
         self._current = graph
         if graph is None:
             self._graphs.pop(key, None)
@@ -348,11 +350,14 @@ class StepGraph:
     def _plain(self, args: tuple, kwargs: dict, reason: str, *, inside_step: bool = True) -> Any:
         """Runs ``fn`` as is. Inside a step (warm-up), its regions run as plain code; outside it they replay their
         graphs."""
-        self._report.plain_calls[reason] = self._report.plain_calls.get(reason, 0) + 1
+        self._count_plain(reason)
         if not inside_step:
             return self.fn(*args, **kwargs)
         with _capture.whole_step():
             return self.fn(*args, **kwargs)
+
+    def _count_plain(self, reason: str) -> None:
+        self._report.plain_calls[reason] = self._report.plain_calls.get(reason, 0) + 1
 
     def _refuse(self, key: tuple | None, reason: str) -> None:
         """Runs calls of input signature ``key`` (of this call only, for None) without the step graph from now on."""

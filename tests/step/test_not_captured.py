@@ -93,7 +93,7 @@ def test_results_that_share_memory_keep_the_step_from_being_captured(backend, re
         shared = {"a view of its argument": x, "a view of its state": model.weight, "two views of one tensor": h}
         assert view.untyped_storage().data_ptr() == shared[returns].untyped_storage().data_ptr()
     report = explain(stepped)
-    assert report.replays == 0 and report.plain_calls["not captured"] == 2
+    assert report.replays == 0 and report.plain_calls == {"warm-up": 1, "not captured": 3}
 
 
 def test_an_argument_that_requires_grad_is_not_captured(backend):

@@ -64,10 +64,13 @@ class Pair:
         return torch.randn(rows, 16, device=self.backend.device), torch.randn(rows, 16, device=self.backend.device)
 
     def call(self, *args, seed=0):
-        """One call of each; returns both results after checking that they and the state agree."""
-        torch.manual_seed(seed)
+        """One call of each, both after ``torch.manual_seed(seed)`` unless ``seed`` is None; returns both results after
+        checking that they and the state agree."""
+        if seed is not None:
+            torch.manual_seed(seed)
         got = self.step(*args)
-        torch.manual_seed(seed)
+        if seed is not None:
+            torch.manual_seed(seed)
         want = self.steps[1](*args)
         self.check(got, want)
         return got, want
