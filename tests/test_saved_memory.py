@@ -46,6 +46,25 @@ def test_a_backward_graph_gives_back_the_saved_tensors_it_reads_last(backend):
     assert "gave back the memory of" in str(explain(jm))
 
 
+def test_an_output_in_given_back_memory_is_not_handed_out_as_a_view_of_the_saved_tensor(backend):
+    """A backward graph's capture may put an output (here a bias's gradient) in the memory a saved tensor gave back,
+    at that tensor's address; it is still its own tensor, not an alias of the saved one."""
+    model = mlp(3, 64).to(backend.device)
+    reference = twin(model)
+    jm = jit(model, backend.executor)
+    for _ in range(4):
+        x = torch.randn(8, 64, device=backend.device)
+        jm(x).square().mean().backward()
+        reference(x).square().mean().backward()
+        assert_grads_close(model, reference)
+        for name, p in model.named_parameters():
+            nbytes = p.grad.untyped_storage().nbytes()
+            assert nbytes == p.grad.numel() * p.grad.element_size(), f"{name}'s gradient lives in {nbytes} bytes"
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    assert _backward_graph(jm).given_back
+
+
 def test_a_gpt_backward_with_many_inputs_gives_back_saved_memory(backend):
     """The backward region of a GPT takes dozens of inputs; how many references the call itself holds on each depends
     on their number."""
