@@ -242,8 +242,7 @@ def test_two_threads_each_with_its_own_step(backend):
         generator = torch.Generator().manual_seed(seed)
         pair = Pair(backend, adam=False)
         for _ in range(6):
-            batch = [torch.randn(4, 16, generator=generator).to(backend.device) for _ in range(2)]
-            pair.call(*batch, seed=None)
+            pair.call(*pair.batch(generator=generator), seed=None)
         assert replays_of(pair.step) >= 2, "not replayed"
 
     assert errors_in_threads(worker) == []

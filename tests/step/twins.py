@@ -60,8 +60,11 @@ class Pair:
 
         return step
 
-    def batch(self, rows=4):
-        return torch.randn(rows, 16, device=self.backend.device), torch.randn(rows, 16, device=self.backend.device)
+    def batch(self, rows=4, generator=None):
+        """Two tensors of ``rows`` rows, drawn on the device, or from ``generator`` (a CPU one) and moved there."""
+        if generator is None:
+            return torch.randn(rows, 16, device=self.backend.device), torch.randn(rows, 16, device=self.backend.device)
+        return tuple(torch.randn(rows, 16, generator=generator).to(self.backend.device) for _ in range(2))
 
     def call(self, *args, seed=0):
         """One call of each, both after ``torch.manual_seed(seed)`` unless ``seed`` is None; returns both results after
