@@ -314,9 +314,20 @@ def _into_given_back(
         with torch.no_grad():  # no values: as after a CUDA capture, the first replay writes them
             for m in members:
                 m.set_(moved, m.storage_offset(), m.size(), m.stride())
-                weakref.finalize(m, list.clear, [block])
+                weakref.finalize(m, _moved_out, block.data_ptr(), [block])
         living = [ref for ref in _living_in.get(block.data_ptr(), []) if ref() is not None]
         _living_in[block.data_ptr()] = living + [weakref.ref(m) for m in members]
+
+
+def _moved_out(address: int, block: list[torch.UntypedStorage]) -> None:
+    """Finalizer of an output moved into given-back memory: lets the block go, and forgets the address with the last
+    output living there."""
+    block.clear()
+    living = [ref for ref in _living_in.get(address, []) if ref() is not None]
+    if living:
+        _living_in[address] = living
+    else:
+        _living_in.pop(address, None)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
