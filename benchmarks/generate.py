@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["VARIANTS", "Row", "llama_1b_config", "run"]
+__all__ = ["VARIANTS", "Row", "run"]
 
 #: Hugging Face's own compilation: built and timed before any other variant, never run again (module docstring).
 HF_RECIPE = "hf-reduce-overhead"
@@ -91,49 +91,6 @@ WITHOUT_GRAPHS = {
     "thunder+torchcompile+cudagraphex": "thunder+torchcompile",
     "thunder+torchcompile+cudagraphex-step": "thunder+torchcompile",
 }
-
-
-def llama_1b_config(tiny: bool = False, layers: int | None = None):
-    """Llama-3.2-1B's configuration (``tiny``: 2 layers of width 64, vocabulary 256, for the CPU).
-
-    ``layers`` replaces the number of decoder layers (16, or the tiny 2).
-    """
-    from transformers import LlamaConfig
-
-    rope = {
-        "rope_type": "llama3",
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    shared = {"rope_scaling": rope, "rope_theta": 500000.0, "tie_word_embeddings": True}
-    if layers is not None:
-        shared["num_hidden_layers"] = layers
-    if tiny:
-        shared.setdefault("num_hidden_layers", 2)
-        return LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            max_position_embeddings=16384,  # above the rope scaling's original 8192, as the real config's
-            initializer_range=0.5,  # random weights of the usual scale generate one token over and over
-            **shared,
-        )
-    shared.setdefault("num_hidden_layers", 16)
-    return LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        **shared,
-    )
 
 
 def _forward_of(variant: str, model: torch.nn.Module, cudagraphex_executor) -> Callable:
@@ -203,6 +160,7 @@ def run(
     """
     from transformers import LlamaForCausalLM
 
+    from benchmarks.models import llama_1b_config
     from benchmarks.report import short_error
     from benchmarks.variants import graph_executor
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from benchmarks.models import GPT, CausalLMLoss, GPTConfig, llama_decode, mlp, thunder_nanogpt
+from benchmarks.models import GPT, CausalLMLoss, GPTConfig, llama_1b_config, llama_decode, mlp, thunder_nanogpt
 
 __all__ = ["MODES", "TRAINING_MODES", "WORKLOADS", "Setup", "Workload", "transformers_available"]
 
@@ -147,8 +147,6 @@ def _build_llama(device: torch.device, plan: bool) -> Setup:
 
 def _build_llama_train(device: torch.device, plan: bool) -> Setup:
     from transformers import LlamaForCausalLM
-
-    from benchmarks.generate import llama_1b_config
 
     _seeded()
     dtype = torch.float32 if plan else torch.bfloat16
