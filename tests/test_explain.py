@@ -77,6 +77,16 @@ def test_explain_says_why_it_has_no_trace_to_report(backend):
     assert report.regions == [] and "cudagraphex saw none of its traces" in str(report)
 
 
+def test_a_step_report_says_when_the_step_was_not_called_yet(backend):
+    step = cudagraphex.graph_step(lambda x: x * 2, backend=backend.name)
+    text = str(explain(step))
+    assert "not called yet" in text and "last capture" not in text
+    for _ in range(3):  # two warm-up calls, then the capture
+        step(torch.ones(4, device=backend.device))
+    text = str(explain(step))
+    assert "not called yet" not in text and "1 capture(s)" in text and "last capture" in text
+
+
 def test_explain_rejects_what_thunder_did_not_compile():
     with pytest.raises(TypeError, match="explain and cudagraphex.inspect take .* got function"):
         explain(lambda x: x)

@@ -35,11 +35,13 @@ class StepReport:
     not_padded: dict[int, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
+        last = f" last capture {self.capture_ms:.1f} ms," if self.captures else ""
         head = (
-            f"cudagraphex step report for {self.function}: {self.captures} capture(s), {self.replays} replay(s),"
-            f" last capture {self.capture_ms:.1f} ms, {self.pool_bytes / 2**20:.1f} MiB of graph memory, peak raised"
-            f" by {self.peak_added_bytes / 2**20:.1f} MiB"
+            f"cudagraphex step report for {self.function}: {self.captures} capture(s), {self.replays} replay(s),{last}"
+            f" {self.pool_bytes / 2**20:.1f} MiB of graph memory, peak raised by {self.peak_added_bytes / 2**20:.1f} MiB"
         )
+        if not (self.captures or self.replays or self.plain_calls):
+            return f"{head}\n  not called yet"
         lines = [head, f"  {self.graphs} graph(s) kept"]
         if self.padded_calls:
             lines.append(
