@@ -1,32 +1,24 @@
 """Microbenchmark: the host cost cudagraphex adds to a replay.
 
 One region of 100 small pointwise ops (50 x ``y = y * 1.0001``, ``y = y + 0.0001`` on 1024 floats), whose inputs are
-k tensors (summed first, so all k are inputs of the region and copied into the graph on every call: the warm-up call
-gets copies of them, so they are not where they were at the warm-up when the graph is captured, which would have the
-graph read them in place), replayed three ways on the same captured graph, and its input copy timed alone:
+k tensors (summed first, so all k are inputs of the region; the warm-up call gets copies of them, so the graph copies
+them on every call instead of reading them in place), replayed three ways on the same captured graph:
 
 (a) ``thunder call``: the compiled Thunder function (prologue checks, the region, epilogue);
-(b) ``region call``: the ``GraphedRegion`` called directly with the region's inputs (guards, the batched input copy,
-    the liveness check, the replay, handing out the outputs);
-(c) ``graph.replay``: ``torch.cuda.CUDAGraph.replay()`` alone;
-(d) ``input copy``, for the k copied inputs: the copy the region call launches (``Instance.copy_in``: one
-    ``copy_`` for one input, one ``torch._foreach_copy_`` for more), alone. Any runner pays it for inputs that are
-    not where the graph reads them, and it is the part of (b) that depends most on how fast the host launches work.
+(b) ``region call``: the region called directly with its inputs (guards, the batched input copy, the liveness check,
+    the replay, handing out the outputs);
+(c) ``graph.replay``: ``torch.cuda.CUDAGraph.replay()`` alone.
 
-A second function, ``hundred_outputs``, returns each of its 100 ops' results, so its region hands out 100 outputs.
-A last case warms ``hundred_ops`` up on its one input itself, so that the graph reads that input in place (no copy).
+Two more cases: ``hundred_outputs`` returns each of its 100 ops' results, so its region hands out 100 outputs; and
+``hundred_ops`` warmed up on its one input itself, so that the graph reads that input in place.
 
 Every time is *host* time: a block of calls starts on an idle GPU and ends when its last call returns, without waiting
-for the GPU, whose work queues up. (Timed with a synchronize at the end, the 100 kernels, ~94 µs on an H200, would set
-the pace and hide the host's work.) Each measurement is the median of its blocks, and the blocks are interleaved: every
-round times one block of every measurement, so that a slow stretch of the host (the first seconds of a fresh machine,
-say) touches all of them alike.
+for the GPU (the 100 kernels, ~94 µs on an H200, would otherwise set the pace). A measurement is the median of its
+blocks; every round times one block of every measurement, so that a slow stretch of the host touches all alike.
 
-Derived, in microseconds: host cost per region = (b) - (c) at k=1 (one copied input, its copy launch included);
-the same with the input read in place (no copy); of the first, the launch of its input copy = (d) at k=1; per copied
-input = the least-squares slope of (b) - (c) over k, and of it, the copy's = the slope of (d); per returned output =
-the extra (b) - (c) of ``hundred_outputs`` over ``hundred_ops`` at k=1, per extra output; Thunder prologue/epilogue
-+ glue = (a) - (b) at k=1.
+Derived, in microseconds: host cost per region = (b) - (c) at k=1; the same with the input read in place; per copied
+input = the least-squares slope of (b) - (c) over k; per returned output = the extra (b) - (c) of ``hundred_outputs``
+over ``hundred_ops`` at k=1, per extra output; Thunder prologue/epilogue + glue = (a) - (b) at k=1.
 """
 
 from __future__ import annotations
@@ -39,26 +31,18 @@ import torch
 
 from benchmarks.report import Record, full_error, short_error
 
-__all__ = [
-    "K_VALUES",
-    "MICRO_MEASUREMENTS",
-    "MICRO_WORKLOAD",
-    "host_time_per_call_us",
-    "hundred_ops",
-    "hundred_outputs",
-    "run_micro",
-]
+__all__ = ["K_VALUES", "MICRO_MEASUREMENTS", "MICRO_WORKLOAD", "hundred_ops", "hundred_outputs", "run_micro"]
 
 MICRO_WORKLOAD = "micro-100ops"
 K_VALUES = (1, 8, 32)
 _NUMEL = 1024
 #: (a), (b), (c) of the module docstring, timed for every case.
 _WAYS = ("thunder call", "region call", "graph.replay")
-#: (d), timed for the cases whose graph copies its inputs (one per k).
-_COPY = "input copy"
-#: The ``hundred_ops`` cases (one per k, and k=1 read in place) and the ``hundred_outputs`` case, each timed three ways,
-#: and the input copies of each k.
-MICRO_MEASUREMENTS = 3 * (len(K_VALUES) + 2) + len(K_VALUES)
+#: The keys of the ``hundred_outputs`` case and of the case whose input is read in place, beside the k values.
+_OUTPUTS = "100 outputs"
+_IN_PLACE = "k=1 read in place"
+#: The ``hundred_ops`` cases (one per k, and k=1 read in place) and the ``hundred_outputs`` case, each timed 3 ways.
+MICRO_MEASUREMENTS = len(_WAYS) * (len(K_VALUES) + 2)
 #: Calls per timed block: few enough that the GPU's queue never fills, so the host never waits for it.
 _CALLS_PER_BLOCK = 20
 #: Rounds of blocks per repetition the suite asks for (a block lasts well under a millisecond), and untimed calls of
@@ -90,9 +74,8 @@ def hundred_outputs(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(outs)
 
 
-def host_time_per_call_us(call: Callable[[], None], sync: Callable[[], None]) -> float:
-    """The host time per call, in microseconds, of one block of calls that starts on an idle GPU and ends when its
-    last call returns, without waiting for the GPU."""
+def _host_time_per_call_us(call: Callable[[], None], sync: Callable[[], None]) -> float:
+    """The host time per call, in microseconds, of one block of calls that starts on an idle GPU."""
     sync()
     start = time.perf_counter()
     for _ in range(_CALLS_PER_BLOCK):
@@ -126,11 +109,10 @@ def run_micro(
     device: torch.device,
     options,
     sync: Callable[[], None],
-    progress: Callable[[str], None] = lambda label: None,
     log: Callable[[str], None] = lambda line: None,
 ) -> tuple[list[Record], dict]:
-    """Measures (a), (b) and (c) for every k in ``K_VALUES`` and for ``hundred_outputs``; returns the records and the
-    derived host breakdown.
+    """Measures (a), (b) and (c) for every case of the module docstring; returns the records and the derived host
+    breakdown.
 
     ``executor`` is the cudagraphex executor (an emulating one on the CPU, where (c) replays the emulation). Errors
     are recorded per measurement, and their whole tracebacks go to ``log``; the breakdown holds None where its inputs
@@ -145,11 +127,10 @@ def run_micro(
     timed: list[tuple[int | str, str, Record, Callable[[], None]]] = []
     for key, fn, k, in_place in cases:
         label = f"k={key}" if isinstance(key, int) else key
-        ways = (*_WAYS, _COPY) if key in K_VALUES else _WAYS
-        group = [Record(MICRO_WORKLOAD, "inference", f"{name} {label}") for name in ways]
+        group = [Record(MICRO_WORKLOAD, "inference", f"{name} {label}") for name in _WAYS]
         try:
             calls = _prepare(fn, k, executor, device, sync, group, in_place)
-            timed += [(key, name, record, calls[name]) for record, name in zip(group, ways, strict=True)]
+            timed += [(key, name, record, calls[name]) for record, name in zip(group, _WAYS, strict=True)]
         except Exception as e:  # noqa: BLE001 - recorded for the whole group
             for record in group:
                 record.error = record.error or short_error(e)
@@ -167,25 +148,18 @@ def run_micro(
                 if id(record) in failed:
                     continue
                 try:
-                    blocks[id(record)].append(host_time_per_call_us(call, sync))
+                    blocks[id(record)].append(_host_time_per_call_us(call, sync))
                 except Exception as e:  # noqa: BLE001 - recorded; the other measurements go on
                     record.error = short_error(e)
                     failed.add(id(record))
                     log(f"{MICRO_WORKLOAD} / {record.variant}: failed:\n{full_error(e)}")
     sync()
-    medians: dict[str, dict[int | str, float]] = {name: {} for name in (*_WAYS, _COPY)}
+    medians: dict[str, dict[int | str, float]] = {name: {} for name in _WAYS}
     for key, name, record, _ in timed:
         if id(record) not in failed:
             record.median_us = statistics.median(blocks[id(record)])
             medians[name][key] = record.median_us
-    for record in records:
-        progress(f"{MICRO_WORKLOAD} {record.variant}")
     return records, _breakdown(medians)
-
-
-#: The keys of the ``hundred_outputs`` case and of the case whose input is read in place, among the k values.
-_OUTPUTS = "100 outputs"
-_IN_PLACE = "k=1 read in place"
 
 
 def _prepare(
@@ -198,9 +172,8 @@ def _prepare(
     in_place: bool,
 ) -> dict:
     """Compiles and captures ``fn`` of ``k`` inputs, checks (a) and (b) against eager (into ``group``), and returns
-    the three ways to replay it, with (d) where the graph copies its inputs. With ``in_place`` the warm-up gets the
-    inputs themselves, so that the graph reads them in place; otherwise copies of them, so that the graph copies
-    them."""
+    the three ways to replay it. With ``in_place`` the warm-up gets the inputs themselves, so that the graph reads them
+    in place; otherwise copies of them, so that the graph copies them."""
     import thunder
 
     import cudagraphex
@@ -250,17 +223,7 @@ def _prepare(
         def replay() -> None:
             graph.replay(args)
 
-    calls = {"thunder call": thunder_call, "region call": region_call, "graph.replay": replay}
-    # What the region call does with its copied inputs: the method ``Instance.replay`` calls.
-    instance = region.instances[0]
-    if instance.buffers:
-        copied = list(instance.pick_copied(args))
-
-        def input_copy() -> None:
-            instance.copy_in(copied)
-
-        calls[_COPY] = input_copy
-    return calls
+    return {"thunder call": thunder_call, "region call": region_call, "graph.replay": replay}
 
 
 def _flat(out: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -274,9 +237,8 @@ def _close(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> boo
 
 
 def _breakdown(medians: dict[str, dict[int | str, float]]) -> dict:
-    a, b, c, d = (medians[name] for name in (*_WAYS, _COPY))
+    a, b, c = (medians[name] for name in _WAYS)
     both = [k for k in K_VALUES if k in b and k in c]
-    copies = [k for k in K_VALUES if k in d]
     per_region = b[1] - c[1] if 1 in both else None
     in_place = b[_IN_PLACE] - c[_IN_PLACE] if _IN_PLACE in b and _IN_PLACE in c else None
     per_output = None
@@ -289,9 +251,7 @@ def _breakdown(medians: dict[str, dict[int | str, float]]) -> dict:
         "graph_replay_us": [c.get(k) for k in K_VALUES],
         "cudagraphex_overhead_per_region_us": per_region,
         "per_region_read_in_place_us": in_place,
-        "input_copy_us": d.get(1),
         "per_copied_input_us": _slope(both, [b[k] - c[k] for k in both]) if len(both) >= 2 else None,
-        "per_copied_input_copy_us": _slope(copies, [d[k] for k in copies]) if len(copies) >= 2 else None,
         "per_returned_output_us": per_output,
         "thunder_glue_us": a[1] - b[1] if 1 in a and 1 in b else None,
     }

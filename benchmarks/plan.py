@@ -13,16 +13,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["NO_GPU_MESSAGE", "show_plan"]
-
-NO_GPU_MESSAGE = "No CUDA GPU: replaying CUDA graphs needs one; showing the capture plan instead."
+__all__ = ["show_plan"]
 
 
 def show_plan(workloads: Sequence[str], modes: Sequence[str], out: Callable[[str], None] = print) -> list[str]:
     """Prints, for each workload, the cudagraphex capture plan of its (reduced) model on the CPU; returns the names of
     the workloads whose plan failed.
 
-    Inference is shown if ``inference`` is among ``modes``, a training step if any training mode is. A workload that
+    Inference is shown if ``inference`` is among ``modes``, a training step if ``train_step`` is. A workload that
     needs ``transformers`` is skipped when it is not installed; a workload that fails prints its whole traceback.
     Never raises for a workload's failure.
     """
@@ -40,7 +38,7 @@ def _show(
     import thunder
 
     from benchmarks.report import full_error
-    from benchmarks.workloads import TRAINING_MODES, WORKLOADS, transformers_available
+    from benchmarks.workloads import WORKLOADS, transformers_available
     from cudagraphex import explain
 
     failed = []
@@ -63,7 +61,7 @@ def _show(
                     for _ in range(2):
                         jitted(*setup.inference_args)
                 phases.append("2 inference calls")
-            if setup.train_args is not None and any(m in modes for m in TRAINING_MODES):
+            if setup.train_args is not None and "train_step" in modes:
                 for _ in range(2):
                     loss = jitted(*setup.train_args)
                     loss = loss if loss.dim() == 0 else loss.square().mean()

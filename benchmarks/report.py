@@ -8,7 +8,6 @@ Times in the table are also shown as ratios to two references of the same worklo
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
 import platform
@@ -21,15 +20,21 @@ from typing import Any
 
 __all__ = [
     "REFERENCES",
+    "SKIPPED_FOR_TIME",
     "Record",
+    "commit",
     "full_error",
     "host_breakdown_text",
     "markdown_table",
-    "ratio",
+    "merged",
     "results_basename",
     "short_error",
+    "versions",
     "write_results",
 ]
+
+#: How the error of a task skipped for the time budget starts (not a failure: ``--merge`` measures it later).
+SKIPPED_FOR_TIME = "skipped: over the time budget"
 
 
 def short_error(e: BaseException) -> str:
@@ -47,7 +52,7 @@ def full_error(e: BaseException) -> str:
 #: The variants times are divided by, with the column titles of their ratios.
 REFERENCES = {"manual-graph": "x manual-graph", "thunder+CUDAGraphTransform": "x CUDAGraphTransform"}
 
-_MODE_ORDER = ("inference", "train_fwd", "train_bwd", "train_step")
+_MODE_ORDER = ("inference", "train_step")
 
 
 @dataclasses.dataclass
@@ -67,11 +72,9 @@ class Record:
     setup_s: float | None = None
     correct: bool | None = None
     error: str | None = None
-    #: When ``error`` is a failure the suite expects (``benchmarks.schedule.EXPECTED_FAILURES``): its reason.
-    expected_failure: str | None = None
     #: Largest relative error (norm of the difference over norm of eager's) among the compared tensors.
     rel_err: float | None = None
-    #: Extra facts: cudagraphex's regions and graphs, graph-related warnings, what kernel-floor measures.
+    #: Extra facts: cudagraphex's regions and graphs, graph-related warnings.
     note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,37 +119,12 @@ def commit() -> str:
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
-def append_run(out_dir: Path, name: str, title: str, argv: Sequence[str], body: str) -> Path:
-    """Appends a run of ``python -m benchmarks.<name> <argv>`` (its start, code, versions, command line and ``body``)
-    to ``<out_dir>/<date>-<gpu>-<name>.md``, which starts with ``title`` when new; returns the file's path. For the
-    benchmarks that print one table."""
-    import torch
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    path = out_dir / f"{results_basename(now.date().isoformat(), gpu)}-{name}.md"
-    head = "" if path.exists() else f"# {title}: {gpu}, {now.date().isoformat()}\n"
-    setup = _versions_text(versions())
-    run = f"## Run of {now.isoformat(timespec='seconds')}, code {commit()[:12]}"
-    command = " ".join([f"python -m benchmarks.{name}", *argv])
-    text = f"{head}\n{run}\n\n{setup}\n\n`{command}`\n\n{body}\n"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(text)
-    return path
-
-
-def slug(text: str) -> str:
-    """``"NVIDIA H200"`` -> ``"nvidia-h200"``."""
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
-
-
 def results_basename(date: str, gpu: str) -> str:
-    """The file name, without suffix, of a run's results: ``<date>-<gpu slug>``."""
-    return f"{date}-{slug(gpu)}"
+    """The file name, without suffix, of a run's results: ``<date>-<gpu>``, ``"NVIDIA H200"`` as ``nvidia-h200``."""
+    return f"{date}-{re.sub(r'[^a-z0-9]+', '-', gpu.lower()).strip('-') or 'unknown'}"
 
 
-def ratio(records: Sequence[Mapping[str, Any]], record: Mapping[str, Any], reference: str) -> float | None:
+def _ratio(records: Sequence[Mapping[str, Any]], record: Mapping[str, Any], reference: str) -> float | None:
     """``record``'s time divided by that of variant ``reference`` in the same workload and mode; None if either
     time is missing."""
     if record.get("median_us") is None:
@@ -185,13 +163,6 @@ def _cell(text: str) -> str:
     return text.replace("|", "/").replace("\n", " ")
 
 
-def _error_text(record: Mapping[str, Any]) -> str:
-    error = record.get("error") or ""
-    if error and record.get("expected_failure"):
-        return f"expected ({record['expected_failure']}): {error}"
-    return error
-
-
 def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str] = ()) -> str:
     """A Markdown table of ``records``, grouped by workload and mode, variants in the order of ``variants``."""
     columns = [
@@ -208,7 +179,7 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
     ]
     lines = ["| " + " | ".join([*columns, "error"]) + " |", "|" + "---|" * (len(columns) + 1)]
     for r in _ordered(records, variants):
-        ratios = [_num(ratio(records, r, ref), ".2f") for ref in REFERENCES]
+        ratios = [_num(_ratio(records, r, ref), ".2f") for ref in REFERENCES]
         correct = r.get("correct")
         cells = [
             r["workload"],
@@ -221,7 +192,7 @@ def markdown_table(records: Sequence[Mapping[str, Any]], variants: Sequence[str]
             _mib(r.get("peak_reserved_bytes")),
             _num(r.get("setup_s"), ".2f"),
             "–" if correct is None else ("yes" if correct else "NO"),
-            _cell(_error_text(r)),
+            _cell(r.get("error") or ""),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -273,9 +244,7 @@ def host_breakdown_text(breakdown: Mapping[str, Any]) -> str:
     labels = {
         "cudagraphex_overhead_per_region_us": "cudagraphex host cost per region (region call - graph.replay, k=1)",
         "per_region_read_in_place_us": "the same, its input read in place (no copy)",
-        "input_copy_us": "of the first, the launch of its one input copy alone (Instance.copy_in)",
         "per_copied_input_us": "per copied input (slope over k)",
-        "per_copied_input_copy_us": "of it, the input copy's alone (slope over k)",
         "per_returned_output_us": "per returned output (the 100-output region over the 1-output one)",
         "thunder_glue_us": "Thunder prologue/epilogue + glue (thunder call - region call, k=1)",
     }
@@ -302,3 +271,36 @@ def write_results(
     paths["json"].write_text(json.dumps(payload, indent=2, default=str) + "\n")
     paths["md"].write_text(_markdown_document(records, meta, variants))
     return paths
+
+
+def merged(
+    rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``rows`` and ``meta`` with what the existing results file of the same name holds and ``rows`` does not redo:
+    its other records, and its runs that still hold a record (a record names its run by its start time; a file with a
+    record that names none keeps every run). A record skipped in ``rows`` does not replace a measured one."""
+    path = (out_dir / results_basename(meta["date"], meta["gpu"])).with_suffix(".json")
+    if not path.exists():
+        return rows, meta
+    old = json.loads(path.read_text())
+    old_meta = old.get("meta", {})
+
+    def key(r: Mapping[str, Any]) -> tuple[str, str, str]:
+        return r["workload"], r["mode"], r["variant"]
+
+    redone = {key(r) for r in rows if not (r.get("error") or "").startswith("skipped")}
+    kept = [r for r in old.get("records", []) if key(r) not in redone]
+    kept_keys = {key(r) for r in kept}
+    records = kept + [r for r in rows if key(r) in redone or key(r) not in kept_keys]
+    holders = {r.get("run") for r in records}
+    this_run = meta["runs"][-1]["started"]
+    # A file written by one setup names its versions once, in its meta; its runs keep them when they are merged.
+    file_versions = old_meta.get("versions")
+    earlier = [
+        {"versions": file_versions, **r} if file_versions and "versions" not in r else r
+        for r in old_meta.get("runs", [])
+        if r.get("started") != this_run and (None in holders or r.get("started") in holders)
+    ]
+    meta = dict(meta, runs=earlier + meta["runs"])
+    meta["host_breakdown"] = meta.get("host_breakdown") or old_meta.get("host_breakdown")
+    return records, meta

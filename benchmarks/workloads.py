@@ -14,23 +14,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from benchmarks.cases import MODES
 from benchmarks.models import GPT, CausalLMLoss, GPTConfig, llama_1b_config, llama_decode, mlp, thunder_nanogpt
 
-__all__ = ["MODES", "TRAINING_MODES", "WORKLOADS", "Setup", "Workload", "transformers_available"]
-
-#: ``inference``: a forward pass under ``torch.no_grad``. ``train_fwd``: the forward pass with autograd recording.
-#: ``train_bwd``: the backward pass alone, repeated on one retained forward graph. ``train_step``: forward, backward,
-#: an AdamW step, ``zero_grad(set_to_none=True)`` (``benchmarks.cases.train_step``).
-MODES = ("inference", "train_fwd", "train_bwd", "train_step")
-TRAINING_MODES = MODES[1:]
+__all__ = ["WORKLOADS", "Setup", "Workload", "transformers_available"]
 
 
 @dataclass
 class Setup:
     """A built workload: a model and the arguments of its calls, on one device.
 
-    ``train_args`` is None for an inference-only workload. Training modes call ``model(*train_args)``; an output that
-    is not a scalar loss is backpropagated with a fixed random cotangent.
+    ``train_args`` is None for an inference-only workload. ``train_step`` calls ``model(*train_args)``; an output
+    that is not a scalar loss is backpropagated with a fixed random cotangent.
     """
 
     model: nn.Module
@@ -193,7 +188,7 @@ WORKLOADS: dict[str, Workload] = {
             "llama1b-4l-train",
             "HF LlamaForCausalLM with Llama-3.2-1B's configuration cut to 4 of its 16 layers (random weights), 1024"
             " tokens, batch 2, bf16; the model's own loss; training only",
-            TRAINING_MODES,
+            ("train_step",),
             _build_llama_train,
             needs_transformers=True,
         ),

@@ -1,5 +1,5 @@
 """The benchmarks' workloads and variants run on the CPU with the emulated replay backend: train_step with AdamW,
-the whole-step variants, the GPT and Llama workloads, generate and the bucketed serving loop."""
+the whole-step variants, the GPT and Llama workloads."""
 
 from __future__ import annotations
 
@@ -106,10 +106,10 @@ def test_a_step_variant_runs_through_graph_step_on_the_cpu(monkeypatch):
     case = compiled.case("train_step", setup.train_args, torch.randn(8, 256))
     for _ in range(5):  # warm-ups (the first call creates the optimizer state), the capture, a replay
         case.call()
-    report = cudagraphex.explain(compiled.step)
+    report = cudagraphex.explain(compiled.explained)
     assert report.captures == 1 and report.replays >= 1, str(report)
     case.close()
-    assert compiled.step is None
+    assert compiled.explained is None
 
 
 def test_the_decode_step_replays_through_graph_step_with_its_cache_guarded(monkeypatch):
@@ -125,48 +125,30 @@ def test_the_decode_step_replays_through_graph_step_with_its_cache_guarded(monke
     assert all(id(layer.keys) in buffers and id(layer.values) in buffers for layer in model.cache.layers)
 
 
-def test_every_variant_and_workload_has_a_place_and_a_cost():
-    from benchmarks.schedule import TASK_ORDER, VARIANT_COST, WORKLOAD_COST_S
+def test_every_thunder_variant_compiles_with_the_options_its_name_says():
+    """Each ``+part`` of a Thunder variant's name is an executor or a transform, in the order of the name; a name with a
+    part that is neither is refused."""
+    from thunder.executors.torch_compile import torch_compile_ex
+    from thunder.transforms.cudagraph import CUDAGraphTransform
 
-    ordered = [variant for tier in TASK_ORDER for variant in tier]
-    assert sorted(ordered) == sorted(VARIANTS)
-    assert set(VARIANT_COST) == set(VARIANTS) and set(WORKLOAD_COST_S) == set(WORKLOADS)
+    import cudagraphex
+    from benchmarks.variants import graph_executor, thunder_options
 
-
-def test_generate_gives_eagers_tokens_through_thunder_and_cudagraphex():
-    transformers = pytest.importorskip("transformers")
-    if not transformers.__version__.startswith("4."):
-        pytest.skip("Thunder traces LlamaForCausalLM.forward under transformers 4.46-4.55 (setup.cfg's bench pin)")
-    from benchmarks.generate import run, table
-
-    variants = ["eager", "thunder", "thunder+cudagraphex", "thunder+cudagraphex-step"]
-    rows = run(variants, new_tokens=6, rounds=1, log=lambda _: None)
-    assert [r.variant for r in rows] == variants, table(rows)
-    for r in rows:
-        assert r.error is None, table(rows)
-        assert r.equal_tokens == 6, table(rows)
-        assert r.ms_per_generate > 0
-    assert [r.equal_without_graphs for r in rows] == [None, None, 6, 6], table(rows)
-    # 3 generates, each a prefill and 5 decode steps: each of the two is captured after 2 warm-up calls
-    assert "2 capture(s)" in rows[-1].note and "not captured" not in rows[-1].note, table(rows)
-
-
-def test_generate_appends_each_run_with_its_code_and_command(tmp_path, monkeypatch):
-    from benchmarks.generate import Row, write_run
-
-    monkeypatch.setenv("CUDAGRAPHEX_COMMIT", "0123abc")
-    rows = [Row("eager", 20.0, 5.0, 6, 6, 1.0), Row("thunder", None, None, 0, 6, 2.0, error="RuntimeError: boom")]
-    first = write_run(rows, ["--layers", "4"], tmp_path)
-    second = write_run(rows[:1], ["--variants", "eager"], tmp_path)
-    assert first == second and first.name.endswith("-cpu-generate.md")
-    text = first.read_text()
-    assert text.count("# cudagraphex: Hugging Face `generate`") == 1 and text.count("## Run of") == 2
-    assert text.count("code 0123abc") == 2 and "torch " in text
-    assert (
-        "`python -m benchmarks.generate --layers 4`" in text
-        and "`python -m benchmarks.generate --variants eager`" in text
-    )
-    assert "| eager | 20.0 | 5.0 | 1.00 | 6/6 | – | 1.0 |  |" in text and "RuntimeError: boom" in text
+    executor = graph_executor(torch.device("cpu"))
+    options = thunder_options("thunder+torchcompile+cudagraphex-step", executor)
+    assert options["executors"][:2] == [executor, torch_compile_ex] and "transforms" not in options
+    options = thunder_options("thunder+cudagraphex+PruneParameterChecks", executor)
+    assert options["executors"][0] is executor
+    assert [type(t) for t in options["transforms"]] == [cudagraphex.PruneParameterChecks]
+    assert [type(t) for t in thunder_options("thunder+CUDAGraphTransform", executor)["transforms"]] == [
+        CUDAGraphTransform
+    ]
+    assert thunder_options("thunder+wholestep(unsafe)", executor) == {}
+    for name in VARIANTS:
+        if name.startswith("thunder"):
+            thunder_options(name, executor)
+    with pytest.raises(ValueError, match="not a Thunder variant"):
+        thunder_options("thunder+warp-drive", executor)
 
 
 def test_the_llama_training_workload_agrees_with_eager_through_thunder_and_cudagraphex(monkeypatch):
@@ -177,26 +159,9 @@ def test_the_llama_training_workload_agrees_with_eager_through_thunder_and_cudag
         pytest.skip("Thunder traces LlamaForCausalLM.forward under transformers 4.46-4.55 (setup.cfg's bench pin)")
     _reduced(monkeypatch, "llama1b-4l-train")
     variants = ["eager", "thunder", "thunder+cudagraphex", "thunder+cudagraphex-step"]
-    records, _ = _cpu_suite(["llama1b-4l-train"], ["train_bwd", "train_step"], variants)
-    for mode, variant in [(m, v) for m in ("train_bwd", "train_step") for v in variants]:
-        if (mode, variant) != ("train_bwd", "thunder+cudagraphex-step"):  # step variants run no train_bwd
-            r = records[("llama1b-4l-train", mode, variant)]
-            assert r.error is None and r.correct is True, (mode, variant, r.error, r.rel_err)
+    records, _ = _cpu_suite(["llama1b-4l-train"], ["train_step"], variants)
+    for variant in variants:
+        r = records[("llama1b-4l-train", "train_step", variant)]
+        assert r.error is None and r.correct is True, (variant, r.error, r.rel_err)
     assert "0 graph(s)" not in records[("llama1b-4l-train", "train_step", "thunder+cudagraphex")].note
     assert "1 capture(s)" in records[("llama1b-4l-train", "train_step", "thunder+cudagraphex-step")].note
-
-
-def test_the_bucketed_serving_loop_keeps_one_graph_per_size_and_eagers_results(tmp_path, capsys):
-    from benchmarks.buckets import SIZES, main
-
-    assert main(["--steps", "6", "--out", str(tmp_path)]) == 0
-    printed = capsys.readouterr().out
-    steps = 6 + 3 * len(SIZES)  # and 3 of each capture size, for the timing ratio
-    assert f"{steps} steps, {len(SIZES)} graph(s) for {len(SIZES)} capture sizes" in printed, printed
-    assert f"greedy tokens equal to eager's in {steps}/{steps} steps" in printed, printed
-    largest_error = float(printed.split("largest |logit - eager logit| ")[1].split()[0])
-    assert largest_error < 1e-5, printed
-    assert "| 8 |" in printed or "| 4 |" in printed, printed  # a padded size's timing row
-    (written,) = tmp_path.glob("*-buckets.md")
-    assert "`python -m benchmarks.buckets --steps 6 --out" in written.read_text()
-    assert printed.split("\n")[0] in written.read_text()

@@ -1,6 +1,6 @@
 """The benchmark suite on the CPU: the main job's fallback, the result writers, option parsing, failures and the exit
 status, and the measuring code run with the emulated replay backend (the workloads and variants themselves:
-``test_benchmark_workloads_cpu``; the GPU-only pieces are exercised on a GPU by ``pytest benchmarks/``)."""
+``test_benchmark_workloads_cpu``; the GPU-only pieces run on a GPU in ``pytest benchmarks/``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from benchmarks.__main__ import parse_args
-from benchmarks.report import markdown_table, write_results
+from benchmarks.cases import MODES
+from benchmarks.report import markdown_table, merged, write_results
 from benchmarks.variants import STEP_VARIANTS, VARIANTS
 from benchmarks.workloads import WORKLOADS
 
@@ -72,7 +73,7 @@ def test_unknown_name_exits_nonzero_from_the_command_line():
 def test_default_selection_runs_everything_and_the_microbenchmark():
     args = parse_args([])
     assert args.run_micro and args.run_workloads
-    assert args.workloads == list(WORKLOADS) and len(args.modes) == 4 and args.variants == list(VARIANTS)
+    assert args.workloads == list(WORKLOADS) and args.modes == list(MODES) and args.variants == list(VARIANTS)
     only_micro = parse_args(["--micro"])
     assert only_micro.run_micro and not only_micro.run_workloads
     selected = parse_args(["--workloads", "llama-decode"])
@@ -106,7 +107,7 @@ def _fake_records():
         {
             "workload": "mlp16x256-b8",
             "mode": "train_step",
-            "variant": "torch.compile",
+            "variant": "thunder",
             "median_us": None,
             "peak_mem_bytes": None,
             "setup_s": None,
@@ -145,7 +146,7 @@ def test_writers_show_ratios_to_both_references(tmp_path):
     assert rows[("inference", "thunder+cudagraphex")]["x CUDAGraphTransform"] == "0.60"
     assert rows[("train_step", "eager")]["x manual-graph"] == "2.00"
     assert rows[("train_step", "eager")]["x CUDAGraphTransform"] == "–"  # no reference in that mode
-    failed = rows[("train_step", "torch.compile")]
+    failed = rows[("train_step", "thunder")]
     assert failed["median µs"] == "–" and failed["error"] == "RuntimeError: boom / bang"
     assert eager["peak MiB"] == "3" and eager["steady peak MiB"] == "2"
 
@@ -164,7 +165,7 @@ def test_measuring_code_on_the_cpu_with_the_emulated_backend():
     progress, log = [], []
     suite = Suite(
         ["mlp16x256-b8"],
-        ["inference", "train_bwd"],
+        ["inference", "train_step"],
         ["eager", "thunder+cudagraphex", "manual-graph"],
         Options(reps=2, quick=True, budget_s=0),
         micro=True,
@@ -172,12 +173,12 @@ def test_measuring_code_on_the_cpu_with_the_emulated_backend():
         progress=progress.append,
         log=log.append,
     )
-    assert suite.num_measurements() == 2 * 3 + 18
+    assert suite.num_measurements() == 2 * 3 + 15
     records = {(r.workload, r.mode, r.variant): r for r in suite.run()}
-    assert len(progress) == suite.num_measurements()
+    assert len(progress) == suite.num_measurements() == len(records)
     assert any("interleaved" in line for line in log)
 
-    for mode in ("inference", "train_bwd"):
+    for mode in ("inference", "train_step"):
         for variant in ("eager", "thunder+cudagraphex"):
             r = records[("mlp16x256-b8", mode, variant)]
             assert r.error is None and r.correct is True and r.median_us > 0 and r.setup_s is not None
@@ -185,34 +186,58 @@ def test_measuring_code_on_the_cpu_with_the_emulated_backend():
         assert "cudagraphex:" in graphed.note and "0 graph(s)" not in graphed.note
         if not torch.cuda.is_available():  # with CUDA present, capturing CPU work "succeeds" (with a warning)
             assert records[("mlp16x256-b8", mode, "manual-graph")].error  # needs CUDA: recorded, not raised
+    assert suite.failures() == [r for r in records.values() if r.variant == "manual-graph"]
 
     micro = [r for r in records.values() if r.workload == "micro-100ops"]
-    assert len(micro) == 18 and all(r.error is None and r.correct is not False and r.median_us > 0 for r in micro)
+    assert len(micro) == 15 and all(r.error is None and r.correct is not False and r.median_us > 0 for r in micro)
     assert any("100 output(s)" in (r.note or "") for r in micro)
-    copies = ["input copy k=1", "input copy k=8", "input copy k=32"]
-    assert [r.variant for r in micro if r.variant.startswith("input copy")] == copies
     breakdown = suite.host_breakdown
     for key in (
         "cudagraphex_overhead_per_region_us",
         "per_region_read_in_place_us",
-        "input_copy_us",
         "per_copied_input_us",
-        "per_copied_input_copy_us",
         "per_returned_output_us",
         "thunder_glue_us",
     ):
         assert isinstance(breakdown[key], float)
 
 
-def test_merge_keeps_older_records_that_a_run_does_not_redo(tmp_path):
-    from benchmarks.__main__ import _merged
+def test_a_variant_that_would_not_fit_in_the_budget_is_recorded_as_skipped(monkeypatch):
+    """A variant starts only while the time spent plus the longest variant so far fits in the budget."""
+    import time
 
+    from benchmarks import suite as suite_module
+    from benchmarks.measure import Options
+    from benchmarks.report import SKIPPED_FOR_TIME
+
+    original = suite_module.make_variant
+
+    def slow_eager(name, fresh_model, executor):
+        time.sleep(1.0)  # the first variant takes a second: a second one would not fit in 1.5 s
+        return original(name, fresh_model, executor)
+
+    monkeypatch.setattr(suite_module, "make_variant", slow_eager)
+    suite = suite_module.Suite(
+        ["mlp16x256-b8"],
+        ["inference"],
+        ["eager", "thunder"],
+        Options(reps=1, quick=True, budget_s=1.5),
+        device=torch.device("cpu"),
+        log=lambda line: None,
+    )
+    records = {r.variant: r for r in suite.run()}
+    assert records["eager"].error is None and records["eager"].median_us > 0
+    assert records["thunder"].error == f"{SKIPPED_FOR_TIME} (--budget-s 1.5)"
+    assert suite.failures() == []
+
+
+def test_merge_keeps_older_records_that_a_run_does_not_redo(tmp_path):
     older = _fake_records()
     write_results(older, dict(_META, runs=[{"started": "earlier"}]), tmp_path)
     redo = dict(older[0], median_us=999.0)  # eager inference, measured again
     skipped = dict(older[1], median_us=None, error="skipped: over the time budget")  # manual-graph, not redone
     new = dict(older[0], variant="thunder", median_us=250.0)
-    rows, meta = _merged([redo, skipped, new], dict(_META, runs=[{"started": "now"}]), tmp_path)
+    rows, meta = merged([redo, skipped, new], dict(_META, runs=[{"started": "now"}]), tmp_path)
     by_key = {(r["mode"], r["variant"]): r for r in rows}
     assert len(rows) == len(older) + 1
     assert by_key[("inference", "eager")]["median_us"] == 999.0
@@ -220,36 +245,32 @@ def test_merge_keeps_older_records_that_a_run_does_not_redo(tmp_path):
     assert by_key[("inference", "thunder")]["median_us"] == 250.0
     assert [run["started"] for run in meta["runs"]] == ["earlier", "now"]
     write_results(rows, meta, tmp_path)  # a checkpoint of the run started "now", written again later
-    _, meta = _merged(rows, dict(_META, runs=[{"started": "now"}]), tmp_path)
+    _, meta = merged(rows, dict(_META, runs=[{"started": "now"}]), tmp_path)
     assert [run["started"] for run in meta["runs"]] == ["earlier", "now"]
 
 
 def test_merge_drops_the_runs_whose_records_were_all_redone(tmp_path):
-    from benchmarks.__main__ import _merged
-
     older = [dict(r, run="earlier") for r in _fake_records()]
     write_results(older, dict(_META, runs=[{"started": "earlier"}]), tmp_path)
     half = [dict(r, median_us=1.0, run="now") for r in older[: len(older) // 2]]
-    rows, meta = _merged(half, dict(_META, runs=[{"started": "now"}]), tmp_path)
+    rows, meta = merged(half, dict(_META, runs=[{"started": "now"}]), tmp_path)
     assert len(rows) == len(older)
     assert [run["started"] for run in meta["runs"]] == ["earlier", "now"]
 
     write_results(rows, meta, tmp_path)
     rest = [dict(r, median_us=2.0, run="later") for r in older[len(older) // 2 :]]
-    rows, meta = _merged(rest, dict(_META, runs=[{"started": "later"}]), tmp_path)
+    rows, meta = merged(rest, dict(_META, runs=[{"started": "later"}]), tmp_path)
     assert {r["run"] for r in rows} == {"now", "later"}
     assert [run["started"] for run in meta["runs"]] == ["now", "later"]
 
 
 def test_merge_keeps_the_versions_a_file_names_once(tmp_path):
-    from benchmarks.__main__ import _merged
-
     versions = {"torch": "2.11.0", "transformers": "4.55.4"}
     older = [dict(r, run="earlier") for r in _fake_records()]
     write_results(older, dict(_META, versions=versions, runs=[{"started": "earlier"}]), tmp_path)
     fresh = [dict(older[0], variant="thunder", run="now")]
     now = {"started": "now", "versions": dict(versions, transformers="5.24.0")}
-    _, meta = _merged(fresh, dict(_META, runs=[now]), tmp_path)
+    _, meta = merged(fresh, dict(_META, runs=[now]), tmp_path)
     assert [run["versions"] for run in meta["runs"]] == [versions, now["versions"]]
 
 
@@ -307,7 +328,7 @@ def test_the_commit_measured_comes_from_the_environment_first(monkeypatch):
     assert commit() != "0123abc"
 
 
-# -- failures: whole tracebacks, the exit status, expected failures ----------------------------------------------------
+# -- failures: whole tracebacks and the exit status ----------------------------------------------------
 
 
 def _raise_deep(message: str) -> None:
@@ -353,7 +374,7 @@ def test_a_failure_prints_its_whole_traceback_and_fails_the_job(tmp_path, capsys
     assert "Traceback (most recent call last)" in captured.err
     assert "in _raise_deep" in captured.err and "second line of the message" in captured.err
     last = captured.out.strip().splitlines()[-1]
-    assert last.startswith(f"FAILED: {len(failed_variants)} task(s) failed unexpectedly: ")
+    assert last.startswith(f"FAILED: {len(failed_variants)} task(s) failed: ")
     for variant in ("eager", "thunder"):
         assert (f"mlp16x256-b8 / {variant} (inference)" in last) == (variant in failed_variants)
     records = {r["variant"]: r for r in json.loads(next(tmp_path.glob("*.json")).read_text())["records"]}
@@ -362,65 +383,8 @@ def test_a_failure_prints_its_whole_traceback_and_fails_the_job(tmp_path, capsys
             assert "RuntimeError: the workload cannot be built" in record["error"] or (
                 record["error"] == "RuntimeError: the variant cannot be made"
             )
-            assert record["expected_failure"] is None
         else:
             assert record["error"] is None and record["median_us"] > 0
-
-
-class _SecondCaseFails:
-    """A compiled variant whose second case (the one interleaved timing makes) fails as Thunder's transform does."""
-
-    def __init__(self, compiled) -> None:
-        self.compiled, self.cases = compiled, 0
-
-    def case(self, mode, args, grad_out):
-        self.cases += 1
-        if self.cases > 1:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                "[torch.cuda.FloatTensor [1, 32, 256]] is at version 21; expected version 20 instead."
-            )
-        return self.compiled.case(mode, args, grad_out)
-
-
-def test_an_expected_failure_is_recorded_with_its_reason_and_the_job_succeeds(tmp_path, capsys, monkeypatch):
-    from benchmarks import suite
-    from benchmarks.__main__ import _run_gpu
-    from benchmarks.schedule import EXPECTED_FAILURES
-
-    original = suite.make_variant
-
-    def make_variant(name, fresh_model, graph_executor):
-        if name == "thunder+CUDAGraphTransform":  # the real one needs CUDA: eager, failing where the transform does
-            return _SecondCaseFails(original("eager", fresh_model, graph_executor))
-        return original(name, fresh_model, graph_executor)
-
-    monkeypatch.setattr(suite, "make_variant", make_variant)
-    args = _gpu_args(tmp_path, "nanogpt6-d256-t32-b1", "train_bwd", "eager,thunder+CUDAGraphTransform")
-    assert _run_gpu(args, device=torch.device("cpu")) == 0
-    captured = capsys.readouterr()
-    assert captured.out.strip().splitlines()[-1] == "No task failed unexpectedly (1 failed as expected)."
-    assert "failed as expected" in captured.err and "Traceback" not in captured.err
-    records = {r["variant"]: r for r in json.loads(next(tmp_path.glob("*.json")).read_text())["records"]}
-    failed = records["thunder+CUDAGraphTransform"]
-    assert failed["error"].startswith("timing: RuntimeError: one of the variables needed for gradient computation")
-    assert failed["expected_failure"] == EXPECTED_FAILURES[0].reason
-    assert records["eager"]["error"] is None
-    assert "expected (Thunder 0.2.6's CUDAGraphTransform" in next(tmp_path.glob("*.md")).read_text()
-
-
-def test_expected_failures_match_their_task_and_error_exactly():
-    from benchmarks.schedule import EXPECTED_FAILURES, expected_failure
-
-    for known in EXPECTED_FAILURES:
-        assert known.workload in WORKLOADS and known.variant in VARIANTS
-        assert known.mode in WORKLOADS[known.workload].modes and known.reason and "\n" not in known.reason
-        text = f"RuntimeError: ... {known.error} ..."
-        assert expected_failure(known.workload, known.mode, known.variant, text) is known
-        assert expected_failure(known.workload, known.mode, known.variant, "RuntimeError: something else") is None
-        assert expected_failure("mlp16x256-b8", known.mode, known.variant, text) is None
-        assert expected_failure(known.workload, "inference", known.variant, text) is None
-        assert expected_failure(known.workload, known.mode, "thunder", text) is None
 
 
 def test_a_failing_capture_plan_prints_its_whole_traceback_and_fails_the_job(capsys, monkeypatch):
@@ -436,9 +400,6 @@ def test_a_failing_capture_plan_prints_its_whole_traceback_and_fails_the_job(cap
 
 
 def test_help_lists_the_workloads_modes_and_variants(capsys):
-    from benchmarks.schedule import EXPECTED_FAILURES
-    from benchmarks.workloads import MODES
-
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--help"])
     assert exit_info.value.code == 0
@@ -446,12 +407,9 @@ def test_help_lists_the_workloads_modes_and_variants(capsys):
     names = set(re.split(r"[\s,]+", text))
     for name in (*WORKLOADS, *MODES, *VARIANTS, "nanogpt-thunder-tests", "gpt2-124m", *STEP_VARIANTS):
         assert name in names, name
-    for known in EXPECTED_FAILURES:
-        assert known.variant in names and known.workload in names
     assert "exit status" in text
     flat = " ".join(text.split())
-    assert "train_step only: thunder+wholestep(unsafe), thunder+torchcompile+wholestep(unsafe);" in flat
-    assert "inference and train_step only: thunder+cudagraphex-step, thunder+torchcompile+cudagraphex-step)" in flat
+    assert "(train_step only: thunder+wholestep(unsafe), thunder+torchcompile+wholestep(unsafe))" in flat
 
 
 def test_the_bench_extra_pins_the_tested_transformers():
