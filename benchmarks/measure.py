@@ -174,7 +174,7 @@ def free_memory(device: torch.device) -> None:
     allocator's cached blocks back; never raises (the suite's health check reports a failed CUDA context)."""
     gc.collect()
     if device.type == "cuda":
-        with contextlib.suppress(Exception):  # a failed context raises here too; _check_health reports it
+        with contextlib.suppress(Exception):  # a failed context raises here too; the suite reports it
             torch.cuda.synchronize(device)
             torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()

@@ -281,7 +281,6 @@ def llama_1b_config(tiny: bool = False, layers: int | None = None):
             num_key_value_heads=2,
             vocab_size=256,
             max_position_embeddings=16384,  # above the rope scaling's original 8192, as the real config's
-            initializer_range=0.5,  # random weights of the usual scale generate one token over and over
             **shared,
         )
     shared.setdefault("num_hidden_layers", 16)
