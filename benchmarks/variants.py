@@ -257,7 +257,8 @@ def make_variant(name: str, fresh_model: Callable[[], nn.Module], executor) -> C
         module = fresh_model()
         compiled = torch.compile(module, mode="reduce-overhead")
         return Compiled(module, compiled, torch.compiler.cudagraph_mark_step_begin)
-    thunder_options(name, executor)  # an unknown name fails here, before the model is copied
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}")
 
     def jit(module: nn.Module) -> Callable:  # new transform objects for every function
         return thunder.jit(module, **thunder_options(name, executor))
