@@ -3,7 +3,9 @@
 See :mod:`tests.fuzzing`. A failure prints each failing seed with its program and call pattern; reproduce one with
 ``python -m tests.fuzzing --seed SEED`` (add ``--shrink`` for a smaller program with the same symptom). Differences
 where plain Thunder is the one that departs from eager PyTorch, and cudagraphex agrees with eager, are listed but not
-counted; so are outputs that lose requires_grad as they do with Thunder's own torch.compile fusion executor.
+counted; so are outputs that lose requires_grad as they do with Thunder's own torch.compile fusion executor, and
+backwards that plain Thunder refuses for an input written after the forward where cudagraphex's gradients do not
+depend on the write.
 """
 
 from __future__ import annotations
@@ -103,3 +105,42 @@ def test_requires_grad_that_thunder_loses_with_any_fusion_executor_is_excused():
     (failure,) = check(program).failures
     assert failure.symptom == "outN: requires_grad"
     assert "fusion executor" in failure.excused
+
+
+def test_a_write_that_only_plain_thunders_backward_reads_is_excused():
+    """Plain Thunder moves ``v0.relu_()`` into its backward, which then saves ``x1`` and refuses the backward after
+    ``x1`` is written; cudagraphex keeps the write in the forward and saves no ``x1``. Eager refuses the first
+    backward of ``c0``'s history across calls, so it cannot judge; the program without the write can: excused."""
+    lines = [
+        Line("v0 = torch.tanh(x1)", "v0", frozenset({"x1"}), False, "unary"),
+        Line("v0.relu_()", None, frozenset({"v0"}), True, "inplace_intermediate"),
+        Line("c0.index_copy_(0, i0, x1)", None, frozenset({"c0", "i0", "x1"}), True, "index_copy"),
+        Line("v1 = c0.sum(0)", "v1", frozenset({"c0"}), False, "readback"),
+    ]
+    steps = [
+        Step("call", Mode(), loss="pending", form="direct"),
+        Step("call", Mode(), loss="now"),
+        Step("backward", target="first"),
+        Step("call", Mode(), fresh=False, loss="pending"),
+        Step("write_input", target="x1", variant=1),
+        Step("backward", target="last"),
+    ]
+    program = Program(
+        seed=0,
+        module=False,
+        width=6,
+        batches=(3,),
+        tensors=[
+            TensorSpec("x1", "BD", "x", requires_grad=True),
+            TensorSpec("c0", "ND", "state", persistent=True),
+            TensorSpec("i0", "I", "index"),
+        ],
+        lines=lines,
+        outputs=["v1"],
+        steps=steps,
+        position="first",
+        min_region_size=1,
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 5 and failure.symptom.startswith("raises only without cudagraphex")
+    assert "its backward read no written tensor" in failure.excused

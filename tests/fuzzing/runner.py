@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from collections.abc import Sequence
@@ -64,7 +65,9 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
     cudagraphex on what failed (the same error or none; values within a tolerance, or to the last bit where the
     difference was within one; metadata only for random programs), plain Thunder is the one that differs, and the
     failure is excused. An output's requires_grad is excused also where Thunder with a fusion executor of its own
-    agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`)."""
+    agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`); so is a backward that plain Thunder refuses for an
+    input written after its forward, where cudagraphex's gradients do not depend on the write (see
+    :func:`_write_not_read`)."""
     program = failure.program
     if failure.symptom.startswith("raises only without cudagraphex") and _THUNDER_FUNCTION_VIEW in failure.symptom:
         failure.excused = (
@@ -74,7 +77,7 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
         return
     if failure.step < 0 or (failure.nearly_equal and program.random):
         return
-    failure.excused = _eager_verdict(failure, backend, ex)
+    failure.excused = _eager_verdict(failure, backend, ex) or _write_not_read(failure, backend, ex)
     if (
         not failure.excused
         and failure.symptom.endswith(": requires_grad")
@@ -132,6 +135,49 @@ def _eager_verdict(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor
         if same:
             return "plain Thunder differs from eager here, and cudagraphex agrees with eager"
     return ""
+
+
+def _write_not_read(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
+    """Why plain Thunder refuses a backward for a saved input written in place after its forward while cudagraphex
+    computes one; empty for no verdict.
+
+    The verdict needs the program with its input writes left out to run alike in both up to that step, and
+    cudagraphex's gradients there to be the same with and without the writes: its backward read no written tensor, so
+    they are the gradients of the forward as it ran. Thunder 0.2.6 moves an in-place write of the forward that no
+    output needs into its backward, which then saves the input it recomputes that write from; cudagraphex keeps the
+    write in the forward graph. (Eager refuses such programs or not by its own formulas: ``index_copy_`` saves its
+    source for the source's shape.)
+    """
+    program = failure.program
+    if not (failure.label == "exception" and _SAVED_TENSOR_WRITTEN in failure.detail):
+        return ""
+    steps = program.steps[: failure.step + 1]
+    # A write to no input, at the same index, so that every later step draws the same seeds and inputs.
+    unwritten = [dataclasses.replace(s, target="") if s.action == "write_input" else s for s in steps]
+    try:
+        written = World(program, backend, ex, compile_source(program, "cudagraphex"))
+        ref = World(program, backend, None, compile_source(program, "reference"))
+        cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return ""
+    observed = []
+    for index, (step, plain) in enumerate(zip(steps, unwritten, strict=True)):
+        observed = []
+        for world, run in ((written, step), (ref, plain), (cgx, plain)):
+            torch.manual_seed(derived_seed(program.seed, "step", index))
+            observed.append(world.run(run, index))
+        if any(obs.raised is not None for obs in observed) or compare_step(program, backend, index, *observed[1:]):
+            return ""
+    grads = [{k: v for k, v in obs.items if k.startswith("grad of")} for obs in (observed[0], observed[2])]
+    if not grads[0] or grads[0].keys() != grads[1].keys():
+        return ""
+    if any(compare_value(grads[0][k], grads[1][k], "exact") is not None for k in grads[0]):
+        return ""
+    return (
+        "plain Thunder refuses a backward that saved an input written in place after the forward, as it moved an"
+        " in-place write of the forward into its backward; without the writes both agree, and cudagraphex's gradients"
+        " are the same with them: its backward read no written tensor"
+    )
 
 
 def _a_fusion_executor_agrees(
