@@ -23,4 +23,6 @@ PROTECTIONS: dict[str, bool] = {
     "restore_rng_after_capture": True,
     # capture: the emulation undoes the in-place writes of its capture run, as a real capture makes none
     "undo_capture_side_effects": True,
+    # step: a call is padded into a larger batch's graph only where the row check finds its rows independent
+    "row_independence_check": True,
 }

@@ -109,8 +109,9 @@ def test_requires_grad_that_thunder_loses_with_any_fusion_executor_is_excused():
 
 def test_a_write_that_only_plain_thunders_backward_reads_is_excused():
     """Plain Thunder moves ``v0.relu_()`` into its backward, which then saves ``x1`` and refuses the backward after
-    ``x1`` is written; cudagraphex keeps the write in the forward and saves no ``x1``. Eager refuses the first
-    backward of ``c0``'s history across calls, so it cannot judge; the program without the write can: excused."""
+    ``x1`` is written; cudagraphex keeps the write in the forward and saves no ``x1``. Eager refuses an earlier
+    backward (through ``c0``'s history across calls, which the backward before freed), so it cannot judge; the
+    program without the write can: excused."""
     lines = [
         Line("v0 = torch.tanh(x1)", "v0", frozenset({"x1"}), False, "unary"),
         Line("v0.relu_()", None, frozenset({"v0"}), True, "inplace_intermediate"),

@@ -74,6 +74,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from cudagraphex import capture as _capture
+from cudagraphex._protections import PROTECTIONS
 from cudagraphex.runtime import StrictModeError
 from cudagraphex.runtime.guards import addresses_equal, layout_guard
 from cudagraphex.runtime.staging import picker
@@ -321,7 +322,8 @@ class StepGraph:
                 self._refuse(key, f"the step {scan.found}")
             if check is not None:
                 layouts = [check.layout_of(o) if is_tensor(o) else None for o in pytree.tree_leaves(out)]
-                self._row_plans[key] = (check.problem, layouts)
+                problem = check.problem if PROTECTIONS["row_independence_check"] else None
+                self._row_plans[key] = (problem, layouts)
                 if scan.found is not None:
                     self._report.not_padded.setdefault(rows, f"the step is not captured: it {scan.found}")
             return out
