@@ -5,7 +5,8 @@ See :mod:`tests.fuzzing`. A failure prints each failing seed with its program an
 where plain Thunder is the one that departs from eager PyTorch, and cudagraphex agrees with eager, are listed but not
 counted; so are outputs that lose requires_grad as they do with Thunder's own torch.compile fusion executor, and
 backwards that plain Thunder refuses for an input written after the forward where cudagraphex's gradients do not
-depend on the write.
+depend on the write, and writes into a view of a leaf that requires grad, which eager refuses and cudagraphex runs
+as eager runs them through ``.detach()``.
 """
 
 from __future__ import annotations
@@ -145,3 +146,33 @@ def test_a_write_that_only_plain_thunders_backward_reads_is_excused():
     (failure,) = check(program).failures
     assert failure.step == 5 and failure.symptom.startswith("raises only without cudagraphex")
     assert "its backward read no written tensor" in failure.excused
+
+
+def test_a_write_into_a_view_of_a_leaf_that_requires_grad_is_excused_where_eager_through_detach_agrees():
+    """Eager refuses ``v0.mul_(2)`` into a view of the leaf ``x0``; Thunder checks only the write's target, here a
+    view of the transposed input, so neither Thunder path refuses it. Plain Thunder drops the write; cudagraphex
+    writes ``x0`` as eager does with the write made through ``.detach()``: excused."""
+    lines = [
+        Line("v0 = x0.t().t()", "v0", frozenset({"x0"}), False, "view"),
+        Line("v1 = v0.abs().sqrt()", "v1", frozenset({"v0"}), False, "unary"),
+        Line("v0.mul_(2)", None, frozenset({"v0"}), True, "write_grad_leaf"),
+        Line("v2 = v1 @ self.w0.t()", "v2", frozenset({"v1", "self.w0"}), False, "matmul"),
+    ]
+    program = Program(
+        seed=0,
+        module=True,
+        width=4,
+        batches=(2,),
+        tensors=[
+            TensorSpec("x0", "BD", "x", requires_grad=True),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+        ],
+        lines=lines,
+        outputs=["v2"],
+        steps=[Step("call", Mode(), layout="transposed")],
+        position="first",
+        min_region_size=1,
+    )
+    (failure,) = check(program).failures
+    assert failure.symptom == "input NAME after the call: values"
+    assert "made through .detach()" in failure.excused

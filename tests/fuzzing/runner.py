@@ -67,7 +67,8 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
     failure is excused. An output's requires_grad is excused also where Thunder with a fusion executor of its own
     agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`); so is a backward that plain Thunder refuses for an
     input written after its forward, where cudagraphex's gradients do not depend on the write (see
-    :func:`_write_not_read`)."""
+    :func:`_write_not_read`), and a write into a view of a leaf that requires grad, which eager refuses and cudagraphex
+    runs as eager runs it through ``.detach()`` (see :func:`_leaf_written_through_a_view`)."""
     program = failure.program
     if failure.symptom.startswith("raises only without cudagraphex") and _THUNDER_FUNCTION_VIEW in failure.symptom:
         failure.excused = (
@@ -77,7 +78,11 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
         return
     if failure.step < 0 or (failure.nearly_equal and program.random):
         return
-    failure.excused = _eager_verdict(failure, backend, ex) or _write_not_read(failure, backend, ex)
+    failure.excused = (
+        _eager_verdict(failure, backend, ex)
+        or _write_not_read(failure, backend, ex)
+        or _leaf_written_through_a_view(failure, backend, ex)
+    )
     if (
         not failure.excused
         and failure.symptom.endswith(": requires_grad")
@@ -180,6 +185,54 @@ def _write_not_read(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecuto
         "plain Thunder refuses a backward that saved an input written in place after the forward, as it moved an"
         " in-place write of the forward into its backward; without the writes both agree, and cudagraphex's gradients"
         " are the same with them: its backward read no written tensor"
+    )
+
+
+_LEAF_WRITTEN = "leaf Variable that requires grad is being used in an in-place operation"
+
+
+def _leaf_written_through_a_view(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
+    """Why cudagraphex and plain Thunder differ on a program that writes in place into a view of a leaf that requires
+    grad; empty for no verdict.
+
+    Eager refuses the write. Thunder 0.2.6 checks only the write's target, which is a view here, so neither Thunder
+    path refuses it; plain Thunder drops the write (as it does for a leaf that requires no grad, where eager writes).
+    The verdict needs eager to refuse the program at the failing step, and the program with each such write made
+    through ``.detach()`` to run eagerly as cudagraphex runs the original, up to that step.
+    """
+    program = failure.program
+    if failure.label == "exception" or "write_grad_leaf" not in program.categories:
+        return ""
+    through_detach = dataclasses.replace(
+        program,
+        lines=[
+            dataclasses.replace(ln, text=ln.text.replace(".mul_(", ".detach().mul_(", 1))
+            if ln.category == "write_grad_leaf"
+            else ln
+            for ln in program.lines
+        ],
+    )
+    steps = program.steps[: failure.step + 1]
+    try:
+        eager = World(program, backend, "eager", compile_source(program, "eager"))
+        detached = World(through_detach, backend, "eager", compile_source(through_detach, "eager, writes detached"))
+        cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return ""
+    refused = None
+    for index, (e,) in _lockstep(program, (eager,), steps, seeded=not program.threads):
+        if e.raised is not None:
+            refused = index if _LEAF_WRITTEN in str(e.raised) else None
+            break
+    if refused != failure.step:
+        return ""
+    for index, (d, c) in _lockstep(program, (detached, cgx), steps, seeded=not program.threads):
+        if d.raised is not None or c.raised is not None or compare_step(program, backend, index, d, c):
+            return ""
+    return (
+        "eager refuses an in-place write into a view of a leaf that requires grad; Thunder checks the write's target,"
+        " a view, so neither Thunder path refuses it: cudagraphex computes what eager computes with the write made"
+        " through .detach(), plain Thunder drops the write"
     )
 
 
