@@ -56,8 +56,8 @@ def test_explain_reports_each_pool_and_the_peak_the_captures_added(backend):
     report = explain(jf)
     data = report.to_dict()
     assert [(p["device"], p["shared"], p["graphs"]) for p in data["pools"]] == [
-        (str(backend.device), True, 1),
-        (str(backend.device), False, 1),
+        (str(xs[0].device), True, 1),
+        (str(xs[0].device), False, 1),
     ]
     assert report.pool_bytes == sum(p["bytes"] for p in data["pools"])
     text = str(report)
