@@ -97,17 +97,23 @@ def _square_of_a_view(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (y * y).sum()
 
 
-def test_a_saved_view_is_given_back_through_the_alias_thunder_saves(backend):
-    """Thunder saves a detached alias of a saved tensor that is a view; its storage is given back all the same."""
+def _three_steps_beside_eager(fn, rows: int, backend):
+    """Three calls of ``fn(x, w)`` compiled, each with its backward, beside ``fn`` on a copy of ``w``, whose gradient
+    must match; returns the compiled function's backward graph."""
     w = torch.randn(8, 8, device=backend.device, requires_grad=True)
     reference = w.detach().clone().requires_grad_()
-    jf = jit(_square_of_a_view, backend.executor)
+    jf = jit(fn, backend.executor)
     one = torch.ones((), device=backend.device)
-    for x in _fresh(3, lambda: torch.randn(8, 8, device=backend.device)):
+    for x in _fresh(3, lambda: torch.randn(rows, 8, device=backend.device)):
         jf(x, w).backward(one)
-        _square_of_a_view(x, reference).backward(one)
+        fn(x, reference).backward(one)
         torch.testing.assert_close(w.grad, reference.grad)
-    graph = _backward_graph(jf)
+    return _backward_graph(jf)
+
+
+def test_a_saved_view_is_given_back_through_the_alias_thunder_saves(backend):
+    """Thunder saves a detached alias of a saved tensor that is a view; its storage is given back all the same."""
+    graph = _three_steps_beside_eager(_square_of_a_view, 8, backend)
     assert graph.given_back and graph.given_back_bytes > 0
 
 
@@ -118,15 +124,7 @@ def _softmax_used_twice(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_tensor_saved_under_two_names_is_given_back_after_both_are_read(backend):
-    w = torch.randn(8, 8, device=backend.device, requires_grad=True)
-    reference = w.detach().clone().requires_grad_()
-    jf = jit(_softmax_used_twice, backend.executor)
-    one = torch.ones((), device=backend.device)
-    for x in _fresh(3, lambda: torch.randn(4, 8, device=backend.device)):
-        jf(x, w).backward(one)
-        _softmax_used_twice(x, reference).backward(one)
-        torch.testing.assert_close(w.grad, reference.grad)
-    graph = _backward_graph(jf)
+    graph = _three_steps_beside_eager(_softmax_used_twice, 4, backend)
     assert len(graph.given_back) == 2 and graph.given_back_bytes == 4 * 8 * 4
 
 
