@@ -99,6 +99,16 @@ class CudaBackend:
         torch._C._free_And_Remove_DeleterFn(cdata)
         return True
 
+    def free(self, tensor: torch.Tensor) -> bool:
+        """Frees ``tensor``'s memory during an eager run, as a ``del`` of its last reference would, by resizing its
+        storage to 0 bytes: a later read fails instead of reading reused memory. False for a storage that cannot be
+        resized (memory the caching allocator does not own)."""
+        try:
+            tensor.untyped_storage().resize_(0)
+        except RuntimeError:
+            return False
+        return True
+
     def capture(
         self,
         fn: Callable,
@@ -250,6 +260,13 @@ class EmulatedBackend:
         given_back = getattr(_capturing, "given_back", None)
         if given_back is not None:
             given_back.append(tensor.untyped_storage())
+        return True
+
+    def free(self, tensor: torch.Tensor) -> bool:
+        """Where a CUDA eager run frees ``tensor``'s memory, fills it with bytes 0xFF instead (NaN in every floating
+        dtype), so that a tensor freed while something still reads it shows as a wrong result."""
+        with torch.no_grad():
+            _bytes_of(tensor.untyped_storage()).fill_(255)
         return True
 
     def capture(

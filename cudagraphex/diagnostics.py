@@ -73,6 +73,8 @@ class RegionReport:
     copied_outputs: list[str]
     demoted_inputs: list[str]
     disabled_reason: str | None
+    #: Bytes of saved tensors its eager runs (warm-up, calls inside a whole step) freed after their last read, in all.
+    eager_freed_bytes: int = 0
 
     @property
     def replays(self) -> int:
@@ -172,6 +174,8 @@ def _region_lines(r: RegionReport) -> list[str]:
             )
     if r.eager_calls:
         lines.append("    eager calls: " + ", ".join(f"{why} x{n}" for why, n in r.eager_calls.items()))
+    if r.eager_freed_bytes:
+        lines.append(f"    eager calls freed {_bytes(r.eager_freed_bytes)} of saved tensors at their last read, in all")
     if r.copied_outputs:
         lines.append(f"    returned as copies (kept by the caller across calls): {', '.join(r.copied_outputs)}")
     if r.demoted_inputs:
@@ -226,6 +230,7 @@ def _region_report(region: GraphedRegion) -> RegionReport:
         copied_outputs=[n for n, c in zip(info.output_names, region.copy_output, strict=True) if c],
         demoted_inputs=list(region.demoted),
         disabled_reason=region.disabled_reason,
+        eager_freed_bytes=region.eager_freed_bytes,
     )
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import gc
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
+from thunder.extend import register_executor
 
 from benchmarks.models import mlp
-from cudagraphex import cudagraphex, explain
+from cudagraphex import CUDAGraphExecutor, cudagraphex, explain
 from cudagraphex.runtime.release import read_after_call
 from tests.helpers import BACKENDS, assert_grads_close, jit, protection_off, twin
 
@@ -128,11 +130,11 @@ def test_a_tensor_saved_under_two_names_is_given_back_after_both_are_read(backen
     assert len(graph.given_back) == 2 and graph.given_back_bytes == 4 * 8 * 4
 
 
-def _retain_graph_grads_match(backend) -> bool:
+def _retain_graph_grads_match(backend, executor=None) -> bool:
     """Two plain steps (the backward graph gives saved memory back), then two steps of two backwards each."""
     model = mlp(3, 16).to(backend.device)
     reference = twin(model)
-    jm = jit(model, backend.executor)
+    jm = jit(model, executor or backend.executor)
     cotangent = torch.randn(4, 16, device=backend.device)
     ok = True
     for step, x in enumerate(_fresh(4, lambda: torch.randn(4, 16, device=backend.device))):
@@ -159,14 +161,18 @@ def test_given_back_guard_bites_with_retain_graph():
         assert not _retain_graph_grads_match(BACKENDS["emulate"])
 
 
-def _hooked_saved_tensors_intact(backend) -> bool:
-    """A saved-tensor hook keeps each saved tensor with a copy of its value; after the backward they must agree."""
+def _hooked_saved_tensors_intact(backend, executor=None, keep_storage: bool = False) -> bool:
+    """A saved-tensor hook keeps each saved tensor (or, with ``keep_storage``, only its storage) with a copy of its
+    value; after the backward they must agree."""
     model = mlp(3, 16).to(backend.device)
-    jm = jit(model, backend.executor)
+    jm = jit(model, executor or backend.executor)
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        kept.append((t, t.detach().clone()))
+        if keep_storage:
+            kept.append((_on(t.untyped_storage(), t), t.detach().clone()))
+        else:
+            kept.append((t, t.detach().clone()))
         return t
 
     cotangent = torch.randn(4, 16, device=backend.device)
@@ -178,7 +184,7 @@ def _hooked_saved_tensors_intact(backend) -> bool:
             out = jm(x)
         out.backward(cotangent)
         del out
-        ok &= all(torch.equal(t, value) for t, value in kept)
+        ok &= all(torch.equal(t() if callable(t) else t, value) for t, value in kept)
     kept.clear()
     return ok
 
@@ -187,9 +193,68 @@ def test_saved_tensors_a_hook_keeps_are_not_given_back(backend):
     assert _hooked_saved_tensors_intact(backend)
 
 
-def test_given_back_guard_bites_with_a_saved_tensor_hook():
+def _on(storage: torch.UntypedStorage, like: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Reads ``like``'s elements from ``storage`` when called (holding the storage, not the tensor)."""
+    offset, size, stride, dtype = like.storage_offset(), like.shape, like.stride(), like.dtype
+    return lambda: torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+
+
+# -- eager runs ------------------------------------------------------------------------------------------------------
+
+#: Executors whose regions warm up for 100 calls: every call of these tests runs its regions eagerly.
+_WARMING_UP = {
+    name: CUDAGraphExecutor(f"cudagraphex_{name}_warming_up", backend=name, warmup_calls=100)
+    for name in ("emulate", "cuda")
+}
+for _executor in _WARMING_UP.values():
+    register_executor(_executor)
+
+
+def test_an_eager_backward_frees_the_saved_tensors_it_reads_last(backend):
+    """A plain backward frees each saved tensor after its last use; so does a backward region running eagerly (on the
+    CPU backend it overwrites them with NaN instead, so a tensor freed too early shows in the gradients)."""
+    from benchmarks.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=128)).to(backend.device)
+    reference = twin(model)
+    jm = jit(model, _WARMING_UP[backend.name])
+    one = torch.ones((), device=backend.device)
+    freed = []
+    for _ in range(3):
+        idx = torch.randint(0, 128, (2, 32), device=backend.device)
+        jm(idx, idx).backward(one)
+        reference(idx, idx).backward(one)
+        assert_grads_close(model, reference, atol=1e-4, rtol=1e-4)
+        model.zero_grad()
+        reference.zero_grad()
+        report = explain(jm)
+        freed.append(sum(r.eager_freed_bytes for r in report.regions if r.phase == "backward"))
+    assert report.num_graphs == 0
+    assert 0 < freed[0] and freed == [freed[0], 2 * freed[0], 3 * freed[0]], freed
+    assert "eager calls freed" in str(report)
+
+
+def test_an_eager_backward_that_retains_its_graph_frees_nothing(backend):
+    assert _retain_graph_grads_match(backend, _WARMING_UP[backend.name])
+
+
+def test_saved_tensors_a_hook_keeps_are_not_freed_by_an_eager_backward(backend):
+    assert _hooked_saved_tensors_intact(backend, _WARMING_UP[backend.name])
+
+
+@pytest.mark.parametrize("runs", ["graphs", "eagerly"])
+def test_a_saved_tensors_storage_a_hook_keeps_is_neither_given_back_nor_freed(backend, runs):
+    """The hook holds the storage alone: the tensor's reference count is as if nothing held it."""
+    executor = _WARMING_UP[backend.name] if runs == "eagerly" else backend.executor
+    assert _hooked_saved_tensors_intact(backend, executor, keep_storage=True)
+
+
+@pytest.mark.parametrize("runs", ["graphs", "eagerly"])
+@pytest.mark.parametrize("keep_storage", [False, True])
+def test_given_back_guard_bites_on_saved_tensors_a_hook_keeps(keep_storage, runs):
+    executor = _WARMING_UP["emulate"] if runs == "eagerly" else BACKENDS["emulate"].executor
     with protection_off("given_back_guard"):
-        assert not _hooked_saved_tensors_intact(BACKENDS["emulate"])
+        assert not _hooked_saved_tensors_intact(BACKENDS["emulate"], executor, keep_storage)
 
 
 class _Recorder:

@@ -17,6 +17,11 @@ Capture
     runs eagerly from then on, with one warning. The number of instances per region is bounded; past the bound new
     signatures run eagerly, with one warning. While a whole step (``cudagraphex.step``) warms up or is captured,
     regions run their symbols as plain code: the step's graph holds them.
+
+Eager runs
+    A backward region that runs its symbols as plain code frees each input it reads last at its release point where
+    nothing but the call references it (``runtime.release``, "Eager runs"), so that its warm-up and a whole step's
+    capture peak no higher than a plain backward, which frees saved tensors as it goes.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from cudagraphex.planning.static_inputs import InputKind
 from cudagraphex.runtime.instance import Instance
 from cudagraphex.runtime.liveness import Pool
 from cudagraphex.runtime.options import GraphOptions, ParameterMovedError, RegionInfo, StrictModeError
-from cudagraphex.runtime.release import give_back_candidates
+from cudagraphex.runtime.release import Storage, eager_candidates, give_back_candidates, giving_back
 from cudagraphex.runtime.staging import signature
 
 __all__ = ["FunctionGraphs", "GraphedRegion"]
@@ -109,6 +114,8 @@ class GraphedRegion:
         self.copy_output = [False] * len(info.output_names)
         self.disabled_reason: str | None = None
         self.eager_calls: Counter[str] = Counter()
+        #: Bytes of input storages that eager runs freed after their last read (``runtime.release``, "Eager runs").
+        self.eager_freed_bytes = 0
         #: Calls that missed the fast path (they replayed another instance, captured one, or ran eagerly).
         self.slow_path_calls = 0
         self.demoted: list[str] = []
@@ -319,15 +326,25 @@ class GraphedRegion:
         self.eager_calls[reason] += 1
         if reason not in ("warm-up",):
             logger.debug("%s: running eagerly (%s)", self.name, reason)
+        freed = eager_candidates(self, args)  # before a list of the arguments exists
         if self.rng_state_idx:
             args = list(args)
             for i in self.rng_state_idx:
                 if args[i] is not None and args[i].device.type != "cpu":  # a graph's output; waits for it
                     args[i] = args[i].cpu()
-        return self._plain(args)
+        return self._plain(args, freed)
 
-    def _plain(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        out = self.fn(*args)
+    def _plain(self, args: Sequence[torch.Tensor], freed: dict[int, Storage] | None = None) -> list[torch.Tensor]:
+        """Runs the region's symbols, freeing the inputs it reads last where nothing else references them."""
+        if freed is None:
+            freed = eager_candidates(self, args)
+        if freed:
+            nbytes = {cdata: args[s.positions[0]].untyped_storage().nbytes() for cdata, s in freed.items()}
+            with giving_back(self.backend.free, freed, args) as done:
+                out = self.fn(*args)
+            self.eager_freed_bytes += sum(nbytes[cdata] for cdata in done)
+        else:
+            out = self.fn(*args)
         # An op may return its input as itself (contiguous): an anchor passed in must not be passed on to the caller.
         anchors = self.graphs.direct_anchors
         detached: dict[int, torch.Tensor] = {}  # one tensor at several positions stays one tensor

@@ -22,8 +22,9 @@ What may be given back
     * nothing but the call references it: the backward runs with ``retain_graph=False``; each anchor's reference count
       is our structures' plus, if the call passes it, the call path's; each alias passed (Thunder saves a detached
       alias of an anchor that is a view) has the call path's alone; the storage's use count is the anchors' and the
-      aliases'. The call path's share (the caller's local, its argument slots) is measured once per process and
-      number of arguments on a probe of the same shape (:func:`call_path_refs`).
+      aliases'; nothing holds the storage's Python object. The call path's share (the caller's local, its argument
+      slots) is measured once per process and number of arguments on a probe of the same shape
+      (:func:`call_path_refs`).
 
 When a graph that gave memory back may replay
     Only under the same conditions, checked on every call (:class:`GivenBack`): ``retain_graph=False``, the same
@@ -39,6 +40,15 @@ Who else may overwrite a given-back storage
 On the CPU replay backend nothing is freed. Instead the capture places outputs it allocated in given-back memory, as
 the caching allocator may, and each replay of such a graph overwrites the rest of the storages it may overwrite with
 bytes 0xFF (NaN in every floating dtype), so that a missed condition shows as a wrong result.
+
+Eager runs
+    A backward region that runs its symbols as plain code (its warm-up, a call inside a whole step, a call that may not
+    replay) frees the storage of an input at the same release points, as a plain backward ``del``s a saved tensor
+    after its last use, when the conditions above hold for tensors of no graph: every tensor on the storage is one the
+    region reads last and the caller does not load again, each has the call path's references alone, the storage's use
+    count is theirs, and the backward does not retain its graph (:func:`eager_candidates`). On CUDA the storage is
+    resized to 0 bytes, so that a read of it fails instead of reading reused memory; the CPU replay backend fills it
+    with bytes 0xFF instead.
 """
 
 from __future__ import annotations
@@ -61,7 +71,15 @@ if TYPE_CHECKING:
     from cudagraphex.runtime.liveness import Liveness, Pool
     from cudagraphex.runtime.region import GraphedRegion
 
-__all__ = ["GivenBack", "Storage", "give_back_candidates", "giving_back", "poison", "release_point"]
+__all__ = [
+    "GivenBack",
+    "Storage",
+    "eager_candidates",
+    "give_back_candidates",
+    "giving_back",
+    "poison",
+    "release_point",
+]
 
 _use_count = torch._C._storage_Use_Count
 _state = threading.local()
@@ -146,7 +164,8 @@ def _own_frames() -> frozenset[types.CodeType]:
     from cudagraphex.runtime.region import GraphedRegion
 
     return frozenset(
-        getattr(GraphedRegion, name).__code__ for name in ("__call__", "_dispatch", "_on_held", "_on_moved", "_capture")
+        getattr(GraphedRegion, name).__code__
+        for name in ("__call__", "_dispatch", "_on_held", "_on_moved", "_capture", "_warmup", "_eager", "_plain")
     )
 
 
@@ -187,10 +206,11 @@ def read_after_call(frame: types.FrameType, names: Sequence[str]) -> set[str]:
 
 @dataclasses.dataclass
 class Storage:
-    """A storage of a forward graph's anchors (one output group) that a capture may give back."""
+    """A storage that a capture may give back (a forward graph's anchors: one output group), or that an eager run may
+    free (no graph's: ``owner`` and ``group`` are None)."""
 
-    owner: Liveness
-    group: int
+    owner: Liveness | None
+    group: int | None
     #: The positions of the call's arguments on it (anchors, or Thunder's detached aliases of anchors that are views).
     positions: list[int]
     #: Their reference counts at the capture, as :func:`refs` takes them.
@@ -246,9 +266,63 @@ def give_back_candidates(
             if id(owner.direct[k]) not in passed
         )
         uses = _use_count(owner.group_cdata[g])
-        if not guarded or (counts == expected and others_free and uses == owner.group_baseline[g] + aliases):
+        unheld = storage_unheld(args[positions[0]])
+        if not guarded or (counts == expected and others_free and uses == owner.group_baseline[g] + aliases and unheld):
             found[owner.group_cdata[g]] = Storage(owner, g, positions, counts, uses)
     return found
+
+
+def eager_candidates(region: GraphedRegion, args: Sequence[object]) -> dict[int, Storage]:
+    """The storages an eager run of ``region`` on ``args`` may free at their release points ("Eager runs" in the module
+    docstring), by their ``_cdata``. Call it where nothing but the call references the arguments (no list of them)."""
+    guarded = PROTECTIONS["given_back_guard"]
+    if not region.last_read_idx or (guarded and keeps_graph()):
+        return {}
+    on: dict[int, list[int]] = {}
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            on.setdefault(arg.untyped_storage()._cdata, []).append(i)
+    last = set(region.last_read_idx)
+    on = {cdata: positions for cdata, positions in on.items() if last.issuperset(positions)}
+    if not on:
+        return {}
+    frame = caller_frame()
+    if frame is None:
+        return {}
+    names = region.info.input_names
+    later = read_after_call(frame, [names[i] for positions in on.values() for i in positions])
+    del frame
+    call, temps = call_path_refs(len(args)), _refs_temps()
+    found: dict[int, Storage] = {}
+    for cdata, positions in on.items():
+        if any(names[i] in later for i in positions):
+            continue
+        counts = refs(args, positions)
+        expected = [(call - temps) * sum(a is args[i] for a in args) + temps for i in positions]
+        # The tensors passed, and the storage's Python object (made above), which nothing else may hold either.
+        uses = len({id(args[i]) for i in positions}) + _storage_object()[0]
+        if not guarded or (counts == expected and _use_count(cdata) == uses and storage_unheld(args[positions[0]])):
+            found[cdata] = Storage(None, None, positions, counts, uses)
+    return found
+
+
+def storage_unheld(tensor: torch.Tensor) -> bool:
+    """Whether nothing holds the Python object of ``tensor``'s storage (a saved-tensor hook may keep the storage alone,
+    which neither the tensor's reference count nor the storage's use count shows)."""
+    return sys.getrefcount(tensor.untyped_storage()) == _storage_object()[1]
+
+
+_storage_probe: list[tuple[int, int]] = []
+
+
+def _storage_object() -> tuple[int, int]:
+    """What a storage's Python object adds to its use count once made (it lives on with the storage), and its
+    reference count, as ``sys.getrefcount(t.untyped_storage())`` takes it, while nothing holds it."""
+    if not _storage_probe:
+        t = torch.empty(1)
+        count = sys.getrefcount(t.untyped_storage())
+        _storage_probe.append((_use_count(t.untyped_storage()._cdata) - 1, count))
+    return _storage_probe[0]
 
 
 _temps: list[int] = []
