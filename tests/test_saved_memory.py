@@ -161,12 +161,18 @@ def test_given_back_guard_bites_with_retain_graph():
         assert not _retain_graph_grads_match(BACKENDS["emulate"])
 
 
+def _on(storage: torch.UntypedStorage, like: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Reads ``like``'s elements from ``storage`` when called (holding the storage, not the tensor)."""
+    offset, size, stride, dtype = like.storage_offset(), like.shape, like.stride(), like.dtype
+    return lambda: torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+
+
 def _hooked_saved_tensors_intact(backend, executor=None, keep_storage: bool = False) -> bool:
     """A saved-tensor hook keeps each saved tensor (or, with ``keep_storage``, only its storage) with a copy of its
     value; after the backward they must agree."""
     model = mlp(3, 16).to(backend.device)
     jm = jit(model, executor or backend.executor)
-    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    kept: list[tuple[torch.Tensor | Callable[[], torch.Tensor], torch.Tensor]] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if keep_storage:
@@ -191,12 +197,6 @@ def _hooked_saved_tensors_intact(backend, executor=None, keep_storage: bool = Fa
 
 def test_saved_tensors_a_hook_keeps_are_not_given_back(backend):
     assert _hooked_saved_tensors_intact(backend)
-
-
-def _on(storage: torch.UntypedStorage, like: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """Reads ``like``'s elements from ``storage`` when called (holding the storage, not the tensor)."""
-    offset, size, stride, dtype = like.storage_offset(), like.shape, like.stride(), like.dtype
-    return lambda: torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
 
 
 # -- eager runs ------------------------------------------------------------------------------------------------------
