@@ -158,9 +158,10 @@ class GraphedRegion:
                     return c.replay(args, c.pick_copied(args))
                 given_back_held = True
         if not candidates:
-            self._calls_per_key[key] += 1
-            if self._calls_per_key[key] <= self.options.warmup_calls:
-                return self._warmup(args, key)
+            warm = self._warmup_key(key)
+            self._calls_per_key[warm] += 1
+            if self._calls_per_key[warm] <= self.options.warmup_calls:
+                return self._warmup(args, warm)
             why = "new input signature" if self.instances else "first capture"
             return self._capture(args, key, private=False, why=why)
         if given_back_held:
@@ -295,12 +296,21 @@ class GraphedRegion:
 
         One the region writes is left out, so that a written input keeps the one path it has always had (a buffer
         and a copy-back); reading it in place would be correct too, but no workload measured needs it."""
-        seen = self._warmup_addresses.get(key, {})
+        seen = self._warmup_addresses.get(self._warmup_key(key), {})
         return frozenset(
             i
             for i, address in seen.items()
             if self.kinds[i] is InputKind.CALLER and i not in self.mutated_idx and args[i].data_ptr() == address
         )
+
+    def _warmup_key(self, key: tuple) -> tuple:
+        """The signature ``key`` as warm-ups count it: without the device of dropout RNG state, which an eager forward
+        returns in host memory and a forward graph in device memory, so that the first call after the forward's
+        capture captures the backward instead of warming it up again (beside the forward graph's saved tensors)."""
+        if not self.rng_state_idx:
+            return key
+        rng = set(self.rng_state_idx)
+        return tuple(k[:3] if i in rng and len(k) == 4 else k for i, k in enumerate(key))
 
     def _warmup(self, args: Sequence[torch.Tensor], key: tuple) -> list[torch.Tensor]:
         """The eager warm-up call; also catches in-place writes the trace analysis missed, via version counters."""
