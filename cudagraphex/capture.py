@@ -99,6 +99,10 @@ class CudaBackend:
         torch._C._free_And_Remove_DeleterFn(cdata)
         return True
 
+    def own_storage_refs(self, storage: torch.UntypedStorage) -> int:
+        """References cudagraphex's capture machinery holds to ``storage``'s Python object: none on CUDA."""
+        return 0
+
     def free(self, tensor: torch.Tensor) -> bool:
         """Frees ``tensor``'s memory during an eager run, as a ``del`` of its last reference would, by resizing its
         storage to 0 bytes: a later read fails instead of reading reused memory. False for a storage that cannot be
@@ -261,6 +265,11 @@ class EmulatedBackend:
         if given_back is not None:
             given_back.append(tensor.untyped_storage())
         return True
+
+    def own_storage_refs(self, storage: torch.UntypedStorage) -> int:
+        """References to ``storage``'s Python object that the emulation holds: one per live output it moved into that
+        given-back memory (``_into_given_back``)."""
+        return sum(ref() is not None for ref in _living_in.get(storage.data_ptr(), []))
 
     def free(self, tensor: torch.Tensor) -> bool:
         """Where a CUDA eager run frees ``tensor``'s memory, fills it with bytes 0xFF instead (NaN in every floating

@@ -125,7 +125,7 @@ class Instance:
                 pool.note_given_back([(give_back[cd].owner, give_back[cd].group) for cd in given])
                 raise
         #: The storages this capture gave back, and when a replay may overwrite them again (None: it gave none back).
-        self.given_back = GivenBack(give_back, given, args) if given else None
+        self.given_back = GivenBack(give_back, given, args, region.backend.own_storage_refs) if given else None
         #: Per tensor input, the tensor the graph read: the caller's tensor (static, read in place) or its buffer. An
         #: input whose memory was given back is left out: an output the capture allocated in that memory has its
         #: address without being a view of it (a region returns no view of an input it reads last).

@@ -28,7 +28,7 @@ What may be given back
 
 When a graph that gave memory back may replay
     Only under the same conditions, checked on every call (:class:`GivenBack`): ``retain_graph=False``, the same
-    reference counts and use counts as at the capture. Otherwise the call takes another instance, or one captured in
+    reference counts and use counts as at the capture, and as many holders of each storage's Python object. Otherwise the call takes another instance, or one captured in
     a pool of its own (``GraphedRegion``).
 
 Who else may overwrite a given-back storage
@@ -59,7 +59,7 @@ import dis
 import sys
 import threading
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -339,7 +339,13 @@ def _refs_temps() -> int:
 class GivenBack:
     """The storages one instance's capture gave back, and the check that its replay may overwrite them again."""
 
-    def __init__(self, storages: dict[int, Storage], done: Sequence[int], args: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        storages: dict[int, Storage],
+        done: Sequence[int],
+        args: Sequence[torch.Tensor],
+        own_refs: Callable[[torch.UntypedStorage], int],
+    ) -> None:
         given = [storages[cdata] for cdata in done]
         self._storages = {cdata: storages[cdata] for cdata in done}
         #: (owner's liveness, output group) of each storage given back.
@@ -354,6 +360,14 @@ class GivenBack:
             (s.owner, k) for s in given for k in s.owner.members(s.group) if id(s.owner.direct[k]) not in passed
         ]
         self.nbytes = sum(args[s.positions[0]].untyped_storage().nbytes() for s in given)
+        #: The storages' Python objects, and their reference counts less the capture machinery's (``own_refs``) as
+        #: :meth:`_storage_refs` takes them: a holder of the storage alone shows in neither tensor counts nor use counts.
+        self._storage_objects = [args[s.positions[0]].untyped_storage() for s in given]
+        self._own_refs = own_refs
+        self.storage_refs = self._storage_refs()
+
+    def _storage_refs(self) -> list[int]:
+        return [sys.getrefcount(o) - self._own_refs(o) for o in self._storage_objects]
 
     def allow(self, args: Sequence[torch.Tensor]) -> bool:
         """Whether this call may replay the graph: the memory it gave back is referenced by the call alone."""
@@ -364,6 +378,7 @@ class GivenBack:
             and refs(args, self.positions) == self.counts
             and [_use_count(cd) for cd in self.cdata] == self.uses
             and all(refs(owner.direct, (k,))[0] == owner.direct_refs[k] for owner, k in self.others)
+            and self._storage_refs() == self.storage_refs
         )
 
     def overwritten_at_release(self, args: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager:
