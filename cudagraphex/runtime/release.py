@@ -56,9 +56,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import dis
+import functools
 import sys
 import threading
 import types
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -181,24 +183,31 @@ def caller_frame() -> types.FrameType | None:
 def read_after_call(frame: types.FrameType, names: Sequence[str]) -> set[str]:
     """Which of the locals ``names`` the code of ``frame`` may load after the call it is making: all of them where
     that code jumps, or a name is not one of its locals."""
-    code = frame.f_code
-    local = set(code.co_varnames)
-    if any(name not in local for name in names):
-        return set(names)
-    after = [ins for ins in dis.get_instructions(code) if ins.offset > frame.f_lasti]
+    return set(_loaded_after(frame.f_code, frame.f_lasti, tuple(names)))
+
+
+@functools.lru_cache(maxsize=256)
+def _loaded_after(code: types.CodeType, lasti: int, names: tuple[str, ...]) -> frozenset[str]:
+    """:func:`read_after_call` for the call at ``lasti`` in ``code``; the first instruction after it that names a
+    local decides: a store or delete of it alone means not read, anything else (a load, an instruction on several
+    names) read. Cached: a backward calls each region from one place, once per step."""
+    if any(name not in code.co_varnames for name in names):
+        return frozenset(names)
+    after = [ins for ins in dis.get_instructions(code) if ins.offset > lasti]
     if any(ins.opcode in dis.hasjrel or ins.opcode in dis.hasjabs for ins in after):
-        return set(names)
-    read: set[str] = set()
-    for name in names:
-        for ins in after:
-            values = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
-            if name not in values:
-                continue
-            if ins.opname.startswith(("DELETE_FAST", "STORE_FAST")) and len(values) == 1:
-                break
-            read.add(name)  # a load, or an instruction on several names that may load it
+        return frozenset(names)
+    pending, read = set(names), set()
+    for ins in after:
+        values = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+        hit = {v for v in values if isinstance(v, str) and v in pending}
+        if not hit:
+            continue
+        pending -= hit
+        if not (ins.opname.startswith(("DELETE_FAST", "STORE_FAST")) and len(values) == 1):
+            read |= hit
+        if not pending:
             break
-    return read
+    return frozenset(read)
 
 
 # -- deciding at capture ---------------------------------------------------------------------------------------------
@@ -293,12 +302,13 @@ def eager_candidates(region: GraphedRegion, args: Sequence[object]) -> dict[int,
     later = read_after_call(frame, [names[i] for positions in on.values() for i in positions])
     del frame
     call, temps = call_path_refs(len(args)), _refs_temps()
+    passed = Counter(id(a) for a in args)
     found: dict[int, Storage] = {}
     for cdata, positions in on.items():
         if any(names[i] in later for i in positions):
             continue
         counts = refs(args, positions)
-        expected = [(call - temps) * sum(a is args[i] for a in args) + temps for i in positions]
+        expected = [(call - temps) * passed[id(args[i])] + temps for i in positions]
         # The tensors passed, and the storage's Python object (made above), which nothing else may hold either.
         uses = len({id(args[i]) for i in positions}) + _storage_object()[0]
         if not guarded or (counts == expected and _use_count(cdata) == uses and storage_unheld(args[positions[0]])):
