@@ -61,7 +61,7 @@ import sys
 import threading
 import types
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -229,6 +229,27 @@ class Storage:
     pending: int = 0
 
 
+def _loaded_by_caller(region: GraphedRegion, groups: Iterable[list[int]]) -> set[str] | None:
+    """The names of the inputs at the positions of ``groups`` that the region's caller may load after the call
+    (:func:`read_after_call`); None where the calling frame is not found."""
+    frame = caller_frame()
+    if frame is None:
+        return None
+    names = region.info.input_names
+    try:
+        return read_after_call(frame, [names[i] for positions in groups for i in positions])
+    finally:
+        del frame
+
+
+def _held_by_call(args: Sequence[object]) -> Callable[[int], int]:
+    """The count :func:`refs` takes of ``args[i]`` while only the call references it: the call path's share once per
+    position the tensor is passed at, the temporaries of taking the count once."""
+    call, temps = call_path_refs(len(args)), _refs_temps()
+    times = Counter(id(a) for a in args)
+    return lambda i: (call - temps) * times[id(args[i])] + temps
+
+
 def give_back_candidates(
     region: GraphedRegion, args: Sequence[object], pool: Pool, static: Sequence[int]
 ) -> dict[int, Storage]:
@@ -242,18 +263,14 @@ def give_back_candidates(
         group = pool.group_of(args[i])
         if group is not None and group not in pool.given_back:
             on.setdefault(group, []).append(i)
-    if not on:
-        return {}
-    frame = caller_frame()
-    if frame is None:
+    later = _loaded_by_caller(region, on.values())
+    if later is None:
         return {}
     names = region.info.input_names
     last = set(region.last_read_idx) & set(static)
-    later = read_after_call(frame, [names[i] for positions in on.values() for i in positions])
-    del frame
     # A count taken by ``refs``: an alias's is the call path's; an anchor's adds our structures' (its baseline, which
     # holds the temporaries of taking a count once more).
-    call = call_path_refs(len(args))
+    held = _held_by_call(args)
     found: dict[int, Storage] = {}
     for (owner, g), positions in on.items():
         if any(i not in last or names[i] in later for i in positions):
@@ -264,10 +281,7 @@ def give_back_candidates(
         for i in positions:
             anchor = pool.anchor_of(args[i])
             passed[id(args[i])] = anchor is None
-            # The call path holds a tensor passed at several positions once per position; the temporaries of taking
-            # the count, once.
-            held = (call - _refs_temps()) * sum(a is args[i] for a in args) + _refs_temps()
-            expected.append(held if anchor is None else held + anchor[0].direct_refs[anchor[1]] - _refs_temps())
+            expected.append(held(i) if anchor is None else held(i) + anchor[0].direct_refs[anchor[1]] - _refs_temps())
         aliases = sum(passed.values())
         others_free = all(
             refs(owner.direct, (k,))[0] == owner.direct_refs[k]
@@ -293,22 +307,17 @@ def eager_candidates(region: GraphedRegion, args: Sequence[object]) -> dict[int,
             on.setdefault(arg.untyped_storage()._cdata, []).append(i)
     last = set(region.last_read_idx)
     on = {cdata: positions for cdata, positions in on.items() if last.issuperset(positions)}
-    if not on:
-        return {}
-    frame = caller_frame()
-    if frame is None:
+    later = _loaded_by_caller(region, on.values())
+    if later is None:
         return {}
     names = region.info.input_names
-    later = read_after_call(frame, [names[i] for positions in on.values() for i in positions])
-    del frame
-    call, temps = call_path_refs(len(args)), _refs_temps()
-    passed = Counter(id(a) for a in args)
+    held = _held_by_call(args)
     found: dict[int, Storage] = {}
     for cdata, positions in on.items():
         if any(names[i] in later for i in positions):
             continue
         counts = refs(args, positions)
-        expected = [(call - temps) * passed[id(args[i])] + temps for i in positions]
+        expected = [held(i) for i in positions]
         # The tensors passed, and the storage's Python object (made above), which nothing else may hold either.
         uses = len({id(args[i]) for i in positions}) + _storage_object()[0]
         if not guarded or (counts == expected and _use_count(cdata) == uses and storage_unheld(args[positions[0]])):
