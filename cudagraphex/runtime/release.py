@@ -28,8 +28,8 @@ What may be given back
 
 When a graph that gave memory back may replay
     Only under the same conditions, checked on every call (:class:`GivenBack`): ``retain_graph=False``, the same
-    reference counts and use counts as at the capture, and as many holders of each storage's Python object. Otherwise the call takes another instance, or one captured in
-    a pool of its own (``GraphedRegion``).
+    reference counts and use counts as at the capture, and as many holders of each storage's Python object.
+    Otherwise the call takes another instance, or one captured in a pool of its own (``GraphedRegion``).
 
 Who else may overwrite a given-back storage
     Any graph captured later into the pool may take its block. Each such graph's replay therefore waits until the
@@ -263,6 +263,8 @@ def give_back_candidates(
         group = pool.group_of(args[i])
         if group is not None and group not in pool.given_back:
             on.setdefault(group, []).append(i)
+    if not on:
+        return {}
     later = _loaded_by_caller(region, on.values())
     if later is None:
         return {}
@@ -307,6 +309,8 @@ def eager_candidates(region: GraphedRegion, args: Sequence[object]) -> dict[int,
             on.setdefault(arg.untyped_storage()._cdata, []).append(i)
     last = set(region.last_read_idx)
     on = {cdata: positions for cdata, positions in on.items() if last.issuperset(positions)}
+    if not on:
+        return {}
     later = _loaded_by_caller(region, on.values())
     if later is None:
         return {}
@@ -380,7 +384,7 @@ class GivenBack:
         ]
         self.nbytes = sum(args[s.positions[0]].untyped_storage().nbytes() for s in given)
         #: The storages' Python objects, and their reference counts less the capture machinery's (``own_refs``) as
-        #: :meth:`_storage_refs` takes them: a holder of the storage alone shows in neither tensor counts nor use counts.
+        #: :meth:`_storage_refs` takes them: a holder of the storage alone shows in no tensor count or use count.
         self._storage_objects = [args[s.positions[0]].untyped_storage() for s in given]
         self._own_refs = own_refs
         self.storage_refs = self._storage_refs()
