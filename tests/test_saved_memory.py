@@ -79,11 +79,19 @@ def test_an_output_in_given_back_memory_is_not_handed_out_as_a_view_of_the_saved
 def test_a_gpt_backward_with_many_inputs_gives_back_saved_memory(backend):
     """The backward region of a GPT takes dozens of inputs; how many references the call itself holds on each depends
     on their number."""
+    *_, jm = _gpt_steps_beside_eager(backend, backend.executor)
+    graph = _backward_graph(jm)
+    assert len(graph.given_back) >= 20
+
+
+def _gpt_steps_beside_eager(backend, executor):
+    """Three training steps of a small GPT compiled with ``executor``, each beside its eager twin, whose gradients
+    must match; yields the compiled model after each step."""
     from benchmarks.models import GPT, GPTConfig
 
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=128)).to(backend.device)
     reference = twin(model)
-    jm = jit(model, backend.executor)
+    jm = jit(model, executor)
     one = torch.ones((), device=backend.device)
     for idx in _fresh(3, lambda: torch.randint(0, 128, (2, 32), device=backend.device)):
         jm(idx, idx).backward(one)
@@ -91,8 +99,7 @@ def test_a_gpt_backward_with_many_inputs_gives_back_saved_memory(backend):
         assert_grads_close(model, reference, atol=1e-4, rtol=1e-4)
         model.zero_grad()
         reference.zero_grad()
-    graph = _backward_graph(jm)
-    assert len(graph.given_back) >= 20
+        yield jm
 
 
 def _square_of_a_view(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -214,20 +221,8 @@ for _executor in _WARMING_UP.values():
 def test_an_eager_backward_frees_the_saved_tensors_it_reads_last(backend):
     """A plain backward frees each saved tensor after its last use; so does a backward region running eagerly (on the
     CPU backend it overwrites them with NaN instead, so a tensor freed too early shows in the gradients)."""
-    from benchmarks.models import GPT, GPTConfig
-
-    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=128)).to(backend.device)
-    reference = twin(model)
-    jm = jit(model, _WARMING_UP[backend.name])
-    one = torch.ones((), device=backend.device)
     freed = []
-    for _ in range(3):
-        idx = torch.randint(0, 128, (2, 32), device=backend.device)
-        jm(idx, idx).backward(one)
-        reference(idx, idx).backward(one)
-        assert_grads_close(model, reference, atol=1e-4, rtol=1e-4)
-        model.zero_grad()
-        reference.zero_grad()
+    for jm in _gpt_steps_beside_eager(backend, _WARMING_UP[backend.name]):
         report = explain(jm)
         freed.append(sum(r.eager_freed_bytes for r in report.regions if r.phase == "backward"))
     assert report.num_graphs == 0
