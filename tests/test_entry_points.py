@@ -12,6 +12,7 @@ import weakref
 import pytest
 import thunder
 import torch
+from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceTag
 from thunder.extend import get_executor
 
@@ -88,17 +89,31 @@ def test_num_static_inputs_on_a_forward_trace_raises():
 # -- the drop-in transform ----------------------------------------------------------------------------------------------
 
 
-def test_transform_demotes_a_moving_declared_input_with_one_info_log(caplog, backend):
-    transform = transform_for(backend)
+class DeclaringTransform(CUDAGraphTransform):
+    """Declares every tensor saved for backward static, as Thunder's transform does, through the legacy argument."""
+
+    def transform_trace_post_optimization(self, trace, **kwargs):
+        if TraceTag.BACKWARD not in trace.tags:
+            return self.executor.fusion_pass(trace)
+        saved = sum(isinstance(p, TensorProxy) for p in trace.args[0][0])
+        return self.executor.fusion_pass(trace, num_static_inputs=saved)
+
+
+def mlp_steps(transform, backend, caplog, *, keep_inputs: bool) -> tuple[list[str], list[int]]:
+    """Five training steps of a small MLP beside eager: the INFO messages that say an input changed address, and the
+    graphs of each region."""
     model = mlp(3, 16).to(backend.device)
     reference = twin(model)
     jm = thunder.jit(model, transforms=[transform])
     # One cotangent for every call: one that autograd makes afresh lands wherever the allocator puts it, and a graph
     # that read it in place would demote it when it moves.
     grad = torch.randn(4, 16, device=backend.device)
+    kept = []
     with caplog.at_level(logging.INFO, logger="cudagraphex"):
         for _ in range(5):
-            x = torch.randn(4, 16, device=backend.device, requires_grad=True)
+            x = torch.randn(4, 16, device=backend.device)  # saved for the first layer's weight gradient
+            if keep_inputs:
+                kept.append(x)  # every batch at a new address
             out, ref = jm(x), reference(x)
             torch.testing.assert_close(out, ref)
             out.backward(grad)
@@ -107,8 +122,19 @@ def test_transform_demotes_a_moving_declared_input_with_one_info_log(caplog, bac
             model.zero_grad()
             reference.zero_grad()
             del out
-    demotions = [r for r in caplog.records if "changed address" in r.getMessage()]
-    assert len(demotions) == 1 and "input" in demotions[0].getMessage()
+    demotions = [r.getMessage() for r in caplog.records if "changed address" in r.getMessage()]
+    return demotions, [len(r.instances) for r in transform_graphs(jm, transform).regions()]
+
+
+def test_num_static_inputs_demotes_a_moving_declared_input_with_one_info_log(caplog, backend):
+    demotions, _ = mlp_steps(DeclaringTransform(backend=backend.name), backend, caplog, keep_inputs=False)
+    assert len(demotions) == 1 and "input" in demotions[0]
+
+
+def test_transform_reads_a_saved_batch_as_the_executor_does(caplog, backend):
+    # Declared static, the batch saved for backward would be read in place by the first backward graph, then demoted
+    # with a second graph when the next batch lands elsewhere.
+    assert mlp_steps(transform_for(backend), backend, caplog, keep_inputs=True) == ([], [1, 1])
 
 
 def test_transform_accepts_share_mem_pool_and_a_can_fuse_override():
