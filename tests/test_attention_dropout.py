@@ -139,6 +139,25 @@ def test_backward_that_runs_eagerly_after_a_replayed_forward():
         check_backward(out, v, grad_out)
 
 
+def test_a_backward_after_a_forward_run_eagerly_for_a_held_output_captures_no_new_graph():
+    # A held output makes the next forward run eagerly, which returns the RNG state in host memory: its backward is a
+    # transient miss (the saved tensors moved too), not a new signature worth a graph.
+    _, jm = jitted()
+    for _ in range(3):
+        train_call(jm)
+    q, k, v = probe()
+    held = jm(q, k, v)
+    grad_out = torch.randn_like(held)
+    held.backward(grad_out)
+    check_backward(held, v, grad_out)
+    for _ in range(3):
+        train_call(jm)  # the first forward runs eagerly: ``held`` still references its graph's output
+    report = explain(jm)
+    (backward,) = [r for r in report.regions if r.phase == "backward"]
+    assert len(backward.graphs) == 1 and backward.eager_calls.get("static input moved") == 1
+    assert sum(len(r.graphs) for r in report.regions) == 2
+
+
 def thunder_nanogpt(dropout: float):
     from thunder.tests.nanogpt_model import GPT, GPTConfig
 

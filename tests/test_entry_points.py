@@ -12,7 +12,6 @@ import weakref
 import pytest
 import thunder
 import torch
-from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceTag
 from thunder.extend import get_executor
 
@@ -89,20 +88,14 @@ def test_num_static_inputs_on_a_forward_trace_raises():
 # -- the drop-in transform ----------------------------------------------------------------------------------------------
 
 
-class DeclaringTransform(CUDAGraphTransform):
-    """Declares every tensor saved for backward static, as Thunder's transform does, through the legacy argument."""
-
-    def transform_trace_post_optimization(self, trace, **kwargs):
-        if TraceTag.BACKWARD not in trace.tags:
-            return self.executor.fusion_pass(trace)
-        saved = sum(isinstance(p, TensorProxy) for p in trace.args[0][0])
-        return self.executor.fusion_pass(trace, num_static_inputs=saved)
+class NoTanh(CUDAGraphTransform):
+    def can_fuse(self, bsym):
+        return "tanh" not in bsym.sym.name and super().can_fuse(bsym)
 
 
-def mlp_steps(transform, backend, caplog, *, keep_inputs: bool) -> tuple[list[str], list[int]]:
-    """Five training steps of a small MLP beside eager: the INFO messages that say an input changed address, and the
-    graphs of each region."""
-    model = mlp(3, 16).to(backend.device)
+def steps_beside_eager(transform, model, backend, caplog, *, keep: str) -> tuple[list[str], list[int]]:
+    """Five training steps beside eager, keeping every step's input or output (``keep``) so that each lands at a new
+    address: the INFO messages that say an input changed address, and the graphs of each region."""
     reference = twin(model)
     jm = thunder.jit(model, transforms=[transform])
     # One cotangent for every call: one that autograd makes afresh lands wherever the allocator puts it, and a graph
@@ -111,9 +104,7 @@ def mlp_steps(transform, backend, caplog, *, keep_inputs: bool) -> tuple[list[st
     kept = []
     with caplog.at_level(logging.INFO, logger="cudagraphex"):
         for _ in range(5):
-            x = torch.randn(4, 16, device=backend.device)  # saved for the first layer's weight gradient
-            if keep_inputs:
-                kept.append(x)  # every batch at a new address
+            x = torch.randn(4, 16, device=backend.device)
             out, ref = jm(x), reference(x)
             torch.testing.assert_close(out, ref)
             out.backward(grad)
@@ -121,27 +112,28 @@ def mlp_steps(transform, backend, caplog, *, keep_inputs: bool) -> tuple[list[st
             assert_grads_close(model, reference)
             model.zero_grad()
             reference.zero_grad()
+            kept.append(x if keep == "inputs" else out)
             del out
     demotions = [r.getMessage() for r in caplog.records if "changed address" in r.getMessage()]
     return demotions, [len(r.instances) for r in transform_graphs(jm, transform).regions()]
 
 
-def test_num_static_inputs_demotes_a_moving_declared_input_with_one_info_log(caplog, backend):
-    demotions, _ = mlp_steps(DeclaringTransform(backend=backend.name), backend, caplog, keep_inputs=False)
-    assert len(demotions) == 1 and "input" in demotions[0]
+def test_transform_demotes_a_moving_declared_input_with_one_info_log(caplog, backend):
+    # tanh runs eagerly; its output, returned and saved for backward, is declared static and moves with every step.
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()).to(backend.device)
+    demotions, graphs = steps_beside_eager(NoTanh(backend=backend.name), model, backend, caplog, keep="outputs")
+    assert len(demotions) == 1 and "(declared static) changed address" in demotions[0]
+    assert graphs == [2]
 
 
-def test_transform_reads_a_saved_batch_as_the_executor_does(caplog, backend):
+def test_transform_does_not_declare_a_saved_batch_static(caplog, backend):
     # Declared static, the batch saved for backward would be read in place by the first backward graph, then demoted
     # with a second graph when the next batch lands elsewhere.
-    assert mlp_steps(transform_for(backend), backend, caplog, keep_inputs=True) == ([], [1, 1])
+    model = mlp(3, 16).to(backend.device)
+    assert steps_beside_eager(transform_for(backend), model, backend, caplog, keep="inputs") == ([], [1, 1])
 
 
 def test_transform_accepts_share_mem_pool_and_a_can_fuse_override():
-    class NoTanh(CUDAGraphTransform):
-        def can_fuse(self, bsym):
-            return "tanh" not in bsym.sym.name and super().can_fuse(bsym)
-
     for share in (True, False):
         transform = NoTanh(share_mem_pool=share, backend="emulate")
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2), torch.nn.ReLU())

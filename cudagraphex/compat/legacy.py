@@ -2,7 +2,7 @@
 
 - :class:`CUDAGraphTransform` is a drop-in for ``thunder.transforms.cudagraph.CUDAGraphTransform``: a thin
   post-optimization transform that runs a :class:`~cudagraphex.CUDAGraphExecutor`'s ``fusion_pass`` on the forward
-  and backward traces.
+  trace, and on the backward trace with the legacy ``num_static_inputs``.
 - :func:`jit` and :func:`install_use_cudagraphs_shim` accept the ``use_cudagraphs=`` keyword that Thunder 0.2.6 rejects.
 - Importing cudagraphex registers the ``"cudagraphex"`` plugin, for ``thunder.compile(model, plugins="cudagraphex")``,
   and makes Thunder's default recipe fall back from nvFuser, where it is not installed, when that plugin is used.
@@ -20,6 +20,7 @@ from typing import Any
 
 import thunder
 import thunder.plugins
+from thunder.core.proxies import TensorProxy
 from thunder.core.recipe import Plugin, PluginPolicy, Recipe
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
@@ -29,6 +30,7 @@ from thunder.recipes import BaseRecipe
 from typing_extensions import Self
 
 from cudagraphex.executor import CUDAGraphExecutor, cudagraphex
+from cudagraphex.planning.regions import trace_kind
 from cudagraphex.runtime import FunctionGraphs
 
 __all__ = ["CUDAGraphTransform", "CUDAGraphsPlugin", "install_use_cudagraphs_shim", "jit"]
@@ -120,9 +122,9 @@ class CUDAGraphTransform(Transform):
     """Drop-in for Thunder's ``CUDAGraphTransform``, backed by cudagraphex's runtime.
 
     Use it as ``thunder.jit(fn, transforms=[CUDAGraphTransform()])``. Subclass it and override :meth:`can_fuse` to keep
-    symbols out of graphs. Inputs are classified as the executor classifies them, not declared static as Thunder's
-    transform declares every tensor saved for backward: a saved tensor the caller passed in (a batch) would be read in
-    place by the first backward graph and cost a second graph when the next batch lands elsewhere.
+    symbols out of graphs. Backward traces are recognised by Thunder's ``TraceTag.BACKWARD``; for them the tensors
+    saved for backward are declared static (matched to graph inputs by name, demoted to copied inputs if their address
+    changes), as the old executor's ``num_static_inputs`` did, except a batch the forward got from its caller.
 
     Args:
         share_mem_pool: whether the graphs of one compiled function share one memory pool per device. Unlike
@@ -156,7 +158,10 @@ class CUDAGraphTransform(Transform):
         return CUDAGraphExecutor.can_fuse(self.executor, bsym)
 
     def transform_trace_post_optimization(self, trace: TraceCtx, **kwargs: Any) -> TraceCtx:
-        return self.executor.fusion_pass(trace)
+        num_static_inputs = None
+        if trace_kind(trace) == "backward":
+            num_static_inputs = sum(isinstance(p, TensorProxy) for p in trace.args[0][0])
+        return self.executor.fusion_pass(trace, num_static_inputs=num_static_inputs)
 
 
 def jit(fn: Callable, /, *, use_cudagraphs: bool = True, **thunder_jit_kwargs: Any) -> Callable:

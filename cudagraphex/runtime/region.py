@@ -60,6 +60,8 @@ class FunctionGraphs:
         self.traces: list[tuple[str, list, list[GraphedRegion]]] = []
         #: Names of tensors that graphs of the last forward trace produced (for a following backward trace).
         self.forward_graph_outputs: frozenset[str] = frozenset()
+        #: Names of the last forward trace's outputs that are its caller's tensors or views of them (``Plan``).
+        self.forward_caller_outputs: frozenset[str] = frozenset()
         #: Every fusion built for this function, by its unique name (owned by the executor module).
         self.fusions: dict[str, Any] = {}
         #: Set when the function was compiled with PruneParameterChecks: a moved parameter is then an error.
@@ -159,6 +161,11 @@ class GraphedRegion:
                 given_back_held = True
         if not candidates:
             warm = self._warmup_key(key)
+            twins = [c for c in self.instances if self._warmup_key(c.key) == warm] if self.rng_state_idx else []
+            if twins and all(c.moved(args) for c in twins):
+                # RNG state in host memory where these graphs took it in device memory: the forward ran eagerly this
+                # call, and the tensors it saved moved with it. A transient miss, as a moved graph output is.
+                return self._on_moved(args, key, twins)
             self._calls_per_key[warm] += 1
             if self._calls_per_key[warm] <= self.options.warmup_calls:
                 return self._warmup(args, warm)
