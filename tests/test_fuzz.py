@@ -3,7 +3,8 @@
 See :mod:`tests.fuzzing`. A failure prints each failing seed with its program and call pattern; reproduce one with
 ``python -m tests.fuzzing --seed SEED`` (add ``--shrink`` for a smaller program with the same symptom). Differences
 where plain Thunder is the one that departs from eager PyTorch, and cudagraphex agrees with eager, are listed but not
-counted; so are outputs that lose requires_grad as they do with Thunder's own torch.compile fusion executor, and
+counted; so are outputs that lose requires_grad as they do with Thunder's own torch.compile fusion executor, or
+where plain Thunder's backward for the call returns no gradient, and
 backwards that plain Thunder refuses for an input written after the forward where cudagraphex's gradients do not
 depend on the write, and writes into a view of a leaf that requires grad, which eager refuses and cudagraphex runs
 as eager runs them through ``.detach()``.
@@ -106,6 +107,40 @@ def test_requires_grad_that_thunder_loses_with_any_fusion_executor_is_excused():
     (failure,) = check(program).failures
     assert failure.symptom == "outN: requires_grad"
     assert "fusion executor" in failure.excused
+
+
+def test_requires_grad_under_no_grad_that_only_an_empty_thunder_backward_gives_is_excused():
+    """Plain Thunder moves ``v0.copy_(x0)`` into a backward that returns no gradient, and so connects the outputs of a
+    call under ``no_grad`` to autograd. Eager refuses an earlier backward (through the buffer's history across
+    calls), and Thunder's torch.compile fusion executor cannot compile the buffer write, so neither can judge; plain
+    Thunder's backward trace for the call shows the cause: excused."""
+    lines = [
+        Line("v0 = torch.sigmoid(x1)", "v0", frozenset({"x1"}), False, "unary"),
+        Line("v0.copy_(x0)", None, frozenset({"x0", "v0"}), True, "inplace_intermediate"),
+        Line("self.m0[i0] = x1", None, frozenset({"self.m0", "i0", "x1"}), True, "index_copy"),
+        Line("v1 = self.m0[: x1.shape[0]] * 2", "v1", frozenset({"x1", "self.m0"}), False, "readback"),
+    ]
+    grad_call = Step("call", Mode(), loss="retain", form="direct")
+    program = Program(
+        seed=0,
+        module=True,
+        width=4,
+        batches=(4,),
+        tensors=[
+            TensorSpec("x0", "BD", "x"),
+            TensorSpec("x1", "BD", "x", requires_grad=True),
+            TensorSpec("m0", "ND", "buffer", init="torch.zeros(n, d)"),
+            TensorSpec("i0", "I", "index"),
+        ],
+        lines=lines,
+        outputs=["v1"],
+        steps=[grad_call, grad_call, Step("call", Mode(grad=False))],
+        position="first",
+        min_region_size=2,
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 2 and failure.symptom == "outN: requires_grad"
+    assert "backward trace for this call returns no gradient" in failure.excused
 
 
 def test_a_write_that_only_plain_thunders_backward_reads_is_excused():

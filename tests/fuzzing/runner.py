@@ -65,7 +65,8 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
     cudagraphex on what failed (the same error or none; values within a tolerance, or to the last bit where the
     difference was within one; metadata only for random programs), plain Thunder is the one that differs, and the
     failure is excused. An output's requires_grad is excused also where Thunder with a fusion executor of its own
-    agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`); so is a backward that plain Thunder refuses for an
+    agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`), or plain Thunder's backward for the call returns
+    no gradient (:func:`_thunders_backward_has_no_gradient`); so is a backward that plain Thunder refuses for an
     input written after its forward, where cudagraphex's gradients do not depend on the write (see
     :func:`_write_not_read`), and a write into a view of a leaf that requires grad, which eager refuses and cudagraphex
     runs as eager runs it through ``.detach()`` (see :func:`_leaf_written_through_a_view`)."""
@@ -83,16 +84,18 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
         or _write_not_read(failure, backend, ex)
         or _leaf_written_through_a_view(failure, backend, ex)
     )
-    if (
-        not failure.excused
-        and failure.symptom.endswith(": requires_grad")
-        and _a_fusion_executor_agrees(failure, backend, ex)
-    ):
-        failure.excused = (
+    if not failure.excused and failure.symptom.endswith(": requires_grad"):
+        no_gradient = (
             "Thunder's grad transform finds no gradient, so Thunder connects outputs to autograd only where its"
             " backward trace is not empty: without a fusion executor an in-place write no forward output needs is"
-            " moved into that backward; Thunder with its torch.compile fusion executor loses requires_grad as well"
+            " moved into that backward"
         )
+        if _a_fusion_executor_agrees(failure, backend, ex):
+            failure.excused = (
+                f"{no_gradient}; Thunder with its torch.compile fusion executor loses requires_grad as well"
+            )
+        elif _thunders_backward_has_no_gradient(failure, backend):
+            failure.excused = f"{no_gradient}; plain Thunder's backward trace for this call returns no gradient"
     if (
         not failure.excused
         and program.whole_step
@@ -263,6 +266,36 @@ def _a_fusion_executor_agrees(
         if index == failure.step:
             a, b = dict(f.items).get(failure.label, _MISSING), dict(c.items).get(failure.label, _MISSING)
             return a is not _MISSING and b is not _MISSING and compare_value(a, b, mode) is None
+    return False
+
+
+def _thunders_backward_has_no_gradient(failure: Failure, backend: BackendSpec) -> bool:
+    """Whether plain Thunder's outputs require grad where cudagraphex's do not, and plain Thunder compiled the failing
+    call with a backward trace that returns no gradient: the cause :func:`_a_fusion_executor_agrees` shows, seen
+    directly, for programs that Thunder's torch.compile fusion executor cannot compile."""
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.pytree import tree_flatten
+
+    program = failure.program
+    if "reference True, cudagraphex False" not in failure.detail:
+        return False
+    try:
+        ref = World(program, backend, None, compile_source(program, "reference"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return False
+    misses = 0
+    for index, (r,) in _lockstep(program, (ref,), program.steps[: failure.step + 1], seeded=not program.threads):
+        if r.raised is not None:
+            return False
+        if index == failure.step:
+            traces = thunder.last_backward_traces(ref.fn)
+            compiled = thunder.cache_misses(ref.fn) > misses
+            return (
+                compiled
+                and bool(traces)
+                and not any(isinstance(o, TensorProxy) for o in tree_flatten(traces[-1].output)[0])
+            )
+        misses = thunder.cache_misses(ref.fn)
     return False
 
 
