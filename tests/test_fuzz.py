@@ -3,11 +3,10 @@
 See :mod:`tests.fuzzing`. A failure prints each failing seed with its program and call pattern; reproduce one with
 ``python -m tests.fuzzing --seed SEED`` (add ``--shrink`` for a smaller program with the same symptom). Differences
 where plain Thunder is the one that departs from eager PyTorch, and cudagraphex agrees with eager, are listed but not
-counted; so are outputs that lose requires_grad as they do with Thunder's own torch.compile fusion executor, or
-where plain Thunder's backward for the call returns no gradient, and
-backwards that plain Thunder refuses for an input written after the forward where cudagraphex's gradients do not
-depend on the write, and writes into a view of a leaf that requires grad, which eager refuses and cudagraphex runs
-as eager runs them through ``.detach()``.
+counted; so are outputs that lose requires_grad as they do with Thunder's own torch.compile fusion executor, or where
+plain Thunder's backward for the call returns no gradient, and backwards that plain Thunder refuses for an input
+written after the forward where cudagraphex's gradients do not depend on the write, and writes into a view of a leaf
+that requires grad, which eager refuses and cudagraphex runs as eager runs them through ``.detach()``.
 """
 
 from __future__ import annotations
