@@ -240,7 +240,8 @@ class EmulatedBackend:
 
     Capture remembers the region's callable and the tensors it was captured with (static inputs and the graph's input
     buffers), and keeps the outputs of one run as the graph's output buffers; it then undoes that run's side effects
-    (in-place writes to inputs, RNG draws), as a real capture has none. Replay runs the callable again on the same
+    (in-place writes to inputs, RNG draws), as a real capture has none, and keeps the version counters its ops bumped,
+    as the ops a real capture records bump them. Replay runs the callable again on the same
     tensors and copies the results into those output buffers, so a held output is overwritten exactly when a real
     graph would overwrite it, and values frozen at capture (host numbers) stay frozen.
     """
@@ -305,7 +306,7 @@ class EmulatedBackend:
                     torch.set_rng_state(rng_state)
                 with torch.no_grad():
                     for tensor, value in before:
-                        tensor.copy_(value)
+                        tensor.data.copy_(value)  # through .data: the undo itself moves no version counter
             _into_given_back(outputs, args, given_back)
         return EmulatedGraph(fn, args, static, outputs), outputs
 

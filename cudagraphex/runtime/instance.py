@@ -11,9 +11,9 @@ Guards
 
 Replay
     A replay copies the copied inputs into the instance's buffers (one batched copy), replays the graph, bumps the
-    version counters of the inputs it wrote where they are (as eager's in-place ops do, so that autograd sees the
-    writes), copies back the buffers of written copied inputs, and hands out the outputs (``handout``). The region
-    checks ``liveness`` before it replays.
+    version counters of the static inputs whose counters its capture moved (as eager's in-place ops do, so that
+    autograd sees the writes; one the trace only may write keeps its counter), copies back the buffers of written
+    copied inputs, and hands out the outputs (``handout``). The region checks ``liveness`` before it replays.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from cudagraphex.runtime.guards import addresses_equal, layout_guard
 from cudagraphex.runtime.handout import Handout
 from cudagraphex.runtime.liveness import Liveness, Pool
 from cudagraphex.runtime.release import GivenBack, Storage, giving_back
-from cudagraphex.runtime.staging import input_buffer, picker
+from cudagraphex.runtime.staging import input_buffer, picker, version_of
 
 if TYPE_CHECKING:
     from cudagraphex.runtime.region import GraphedRegion
@@ -104,8 +104,7 @@ class Instance:
             self.expanded_dims.append(expanded)
         self.any_expanded = any(self.expanded_dims)
         self.copy_back = [(i, buf) for i, buf in zip(copied, self.buffers, strict=True) if i in region.mutated_idx]
-        #: Inputs the graph writes where they are; the copy-back bumps the version counters of the others.
-        self.written_in_place = [i for i in self.static if i in region.mutated_idx]
+        versions = {i: version_of(args[i]) for i in self.static if i in region.mutated_idx}
 
         before = region.backend.reserved_bytes(region.device)
         start = time.perf_counter()
@@ -124,6 +123,10 @@ class Instance:
                 # The memory given back is the pool's now.
                 pool.note_given_back([(give_back[cd].owner, give_back[cd].group) for cd in given])
                 raise
+        #: Static inputs the capture wrote: the ops it records bump the counters of what they write, as eager's do,
+        #: and one the trace only may write (an alias it cannot rule out) keeps its counter. Each replay bumps them
+        #: again, so that autograd sees the writes; the copy-back bumps the counters of copied inputs.
+        self.written_in_place = [i for i, v in versions.items() if version_of(args[i]) != v]
         #: The storages this capture gave back, and when a replay may overwrite them again (None: it gave none back).
         self.given_back = GivenBack(give_back, given, args, region.backend.own_storage_refs) if given else None
         #: Per tensor input, the tensor the graph read: the caller's tensor (static, read in place) or its buffer. An

@@ -42,7 +42,7 @@ from cudagraphex.runtime.instance import Instance
 from cudagraphex.runtime.liveness import Pool
 from cudagraphex.runtime.options import GraphOptions, ParameterMovedError, RegionInfo, StrictModeError
 from cudagraphex.runtime.release import Storage, eager_candidates, give_back_candidates, giving_back
-from cudagraphex.runtime.staging import signature
+from cudagraphex.runtime.staging import signature, version_of
 
 __all__ = ["FunctionGraphs", "GraphedRegion"]
 
@@ -322,7 +322,7 @@ class GraphedRegion:
     def _warmup(self, args: Sequence[torch.Tensor], key: tuple) -> list[torch.Tensor]:
         """The eager warm-up call; also catches in-place writes the trace analysis missed, via version counters."""
         watched = [i for i in range(len(args)) if i not in self.mutated_idx and self.kinds[i].is_copied]
-        before = {i: _version(args[i]) for i in watched}
+        before = {i: version_of(args[i]) for i in watched}
         self._warmup_addresses[key] = {
             i: args[i].data_ptr()
             for i, kind in enumerate(self.kinds)
@@ -330,7 +330,7 @@ class GraphedRegion:
         }
         out = self._eager(args, "warm-up")
         for i in watched:
-            if before[i] is not None and _version(args[i]) != before[i]:
+            if before[i] is not None and version_of(args[i]) != before[i]:
                 logger.info(
                     "%s: the warm-up wrote into %s; it is copied back after replays",
                     self.name,
@@ -366,12 +366,3 @@ class GraphedRegion:
         anchors = self.graphs.direct_anchors
         detached: dict[int, torch.Tensor] = {}  # one tensor at several positions stays one tensor
         return [detached.setdefault(id(o), o.detach()) if id(o) in anchors else o for o in out]
-
-
-def _version(t: torch.Tensor | None) -> int | None:
-    if t is None:
-        return None
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return None
