@@ -179,6 +179,36 @@ def test_graphs_of_calls_between_a_forward_and_its_backward_leave_the_tensors_it
     torch.testing.assert_close((x.grad, w.grad, p.grad), (ref_x.grad, ref_w.grad, ref_p.grad))
 
 
+def test_a_copy_back_moves_no_version_counter_of_an_input_its_capture_did_not_write(backend):
+    """The trace shows ``v.sub_`` as a possible write of ``x``, so a graph that copies ``x`` in copies its buffer back
+    after each replay; the values are the same, and the version counter that a pending backward checks stays."""
+
+    def f(x, w):
+        v = F.layer_norm(x, (6,), w, w)
+        v.sub_(v.detach())
+        return v * x  # saves x
+
+    device = backend.device
+    w = torch.randn(6, device=device, requires_grad=True)
+    jf = jit(f, backend.executor)
+    kept = []
+    with torch.no_grad():
+        for _ in range(6):  # every call at a new address: x misses until it is demoted to a copied input
+            kept.append(torch.randn(3, 6, device=device))
+            jf(kept[-1], w)
+    (inference,) = regions(jf, backend.executor, "computation")
+    assert inference.kinds[inference.info.input_names.index("x")] is InputKind.COPIED
+    x = torch.randn(3, 6, device=device)
+    ref_w = w.detach().clone().requires_grad_()
+    out = jf(x, w)
+    with torch.no_grad():
+        torch.testing.assert_close(jf(x, w), f(x, w))  # a replay whose copy-back writes x
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    f(x, ref_w).backward(grad)
+    torch.testing.assert_close(w.grad, ref_w.grad)
+
+
 def test_tensor_copy_writes_its_destination_not_its_source(backend):
     """``Tensor.copy_(dst, src)`` takes its arguments the other way round from Thunder's ``prims.copy_(src, dst)``."""
 
