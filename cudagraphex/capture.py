@@ -241,9 +241,9 @@ class EmulatedBackend:
     Capture remembers the region's callable and the tensors it was captured with (static inputs and the graph's input
     buffers), and keeps the outputs of one run as the graph's output buffers; it then undoes that run's side effects
     (in-place writes to inputs, RNG draws), as a real capture has none, and keeps the version counters its ops bumped,
-    as the ops a real capture records bump them. Replay runs the callable again on the same
-    tensors and copies the results into those output buffers, so a held output is overwritten exactly when a real
-    graph would overwrite it, and values frozen at capture (host numbers) stay frozen.
+    as the ops a real capture records bump them. Replay runs the callable again on the same tensors and copies the
+    results into those output buffers, so a held output is overwritten exactly when a real graph would overwrite it,
+    and values frozen at capture (host numbers) stay frozen.
     """
 
     name = "emulate"
