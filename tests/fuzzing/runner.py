@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import thunder
 import torch
+from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
 
 from cudagraphex import CUDAGraphExecutor
 from tests.fuzzing.compare import Failure, compare_step, compare_value, normalise, value_mode
@@ -273,9 +275,6 @@ def _thunders_backward_has_no_gradient(failure: Failure, backend: BackendSpec) -
     """Whether plain Thunder's outputs require grad where cudagraphex's do not, and plain Thunder compiled the failing
     call with a backward trace that returns no gradient: the cause :func:`_a_fusion_executor_agrees` shows, seen
     directly, for programs that Thunder's torch.compile fusion executor cannot compile."""
-    from thunder.core.proxies import TensorProxy
-    from thunder.core.pytree import tree_flatten
-
     program = failure.program
     if "reference True, cudagraphex False" not in failure.detail:
         return False
