@@ -140,18 +140,29 @@ def test_backward_that_runs_eagerly_after_a_replayed_forward():
 
 
 def test_a_backward_after_a_forward_run_eagerly_for_a_held_output_captures_no_new_graph():
-    # A held output makes the next forward run eagerly, which returns the RNG state in host memory: its backward is a
-    # transient miss (the saved tensors moved too), not a new signature worth a graph.
+    # An output held into the next call makes that call's forward run eagerly, which returns the RNG state in host
+    # memory: its backward is a transient miss (the saved tensors moved too), not a new signature worth a graph. The
+    # same q, k, v every call: fresh ones would land elsewhere while the held output's autograd graph keeps the last
+    # ones alive, and a moved caller input costs a graph of its own.
     _, jm = jitted()
-    for _ in range(3):
-        train_call(jm)
     q, k, v = probe()
-    held = jm(q, k, v)
-    grad_out = torch.randn_like(held)
-    held.backward(grad_out)
-    check_backward(held, v, grad_out)
+
+    def call() -> torch.Tensor:
+        v.grad = None
+        out = jm(q, k, v)
+        check_forward(out, training=True)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+        check_backward(out, v, grad_out)
+        return out
+
     for _ in range(3):
-        train_call(jm)  # the first forward runs eagerly: ``held`` still references its graph's output
+        call()
+    held = call()
+    call()  # its forward runs eagerly: ``held`` still references the forward graph's output
+    del held
+    for _ in range(3):
+        call()
     report = explain(jm)
     (backward,) = [r for r in report.regions if r.phase == "backward"]
     assert len(backward.graphs) == 1 and backward.eager_calls.get("static input moved") == 1
