@@ -1,4 +1,4 @@
-"""The GPU run: every (workload, variant, mode), checked against eager, measured for memory, then timed.
+"""The GPU run: every (workload, variant, mode), measured for memory, checked against eager, then timed.
 
 ``benchmarks/README.md`` ("What is measured", "Time") defines every field of a record; this module measures them.
 Its invariants:
@@ -189,6 +189,21 @@ class Suite:
         gc.collect()
         return compiled
 
+    def _measure_memory(self, record: Record, case: Case, base: MemoryBase) -> None:
+        """The peaks of the setup just run and of a few calls after it, read before the correctness check, whose
+        copies and norms are not the variant's memory."""
+        setup_peak = torch.cuda.max_memory_allocated(self.device)
+        setup_reserved = torch.cuda.max_memory_reserved(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        for _ in range(MEMORY_CALLS):
+            case.call()
+        self._sync()
+        steady_peak = torch.cuda.max_memory_allocated(self.device)
+        record.steady_peak_mem_bytes = steady_peak - base.allocated
+        record.peak_mem_bytes = max(setup_peak, steady_peak) - base.allocated
+        reserved = max(setup_reserved, torch.cuda.max_memory_reserved(self.device))
+        record.peak_reserved_bytes = reserved - base.reserved
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -213,21 +228,11 @@ class Suite:
                         case.call()
                     self._sync()
                 record.setup_s = time.perf_counter() - start
+                if self.device.type == "cuda":
+                    self._measure_memory(record, case, base)
                 expected = prepared.expected[record.mode]
                 record.correct, record.rel_err = compare(case.collect(), expected, prepared.setup.dtype)
             notes += _graph_warnings(caught)
-            if self.device.type == "cuda":
-                setup_peak = torch.cuda.max_memory_allocated(self.device)
-                setup_reserved = torch.cuda.max_memory_reserved(self.device)
-                torch.cuda.reset_peak_memory_stats(self.device)
-                for _ in range(MEMORY_CALLS):
-                    case.call()
-                self._sync()
-                steady_peak = torch.cuda.max_memory_allocated(self.device)
-                record.steady_peak_mem_bytes = steady_peak - base.allocated
-                record.peak_mem_bytes = max(setup_peak, steady_peak) - base.allocated
-                reserved = max(setup_reserved, torch.cuda.max_memory_reserved(self.device))
-                record.peak_reserved_bytes = reserved - base.reserved
             if record.variant == REDUCE_OVERHEAD:
                 record.median_us = time_per_call_us(case.call, self._sync, self.options)
                 if _cudagraph_skips() > skips:

@@ -99,6 +99,10 @@ class CudaBackend:
         torch._C._free_And_Remove_DeleterFn(cdata)
         return True
 
+    def own_storage_refs(self, storage: torch.UntypedStorage) -> int:
+        """References cudagraphex's capture machinery holds to ``storage``'s Python object: none on CUDA."""
+        return 0
+
     def free(self, tensor: torch.Tensor) -> bool:
         """Frees ``tensor``'s memory during an eager run, as a ``del`` of its last reference would, by resizing its
         storage to 0 bytes: a later read fails instead of reading reused memory. False for a storage that cannot be
@@ -236,9 +240,10 @@ class EmulatedBackend:
 
     Capture remembers the region's callable and the tensors it was captured with (static inputs and the graph's input
     buffers), and keeps the outputs of one run as the graph's output buffers; it then undoes that run's side effects
-    (in-place writes to inputs, RNG draws), as a real capture has none. Replay runs the callable again on the same
-    tensors and copies the results into those output buffers, so a held output is overwritten exactly when a real
-    graph would overwrite it, and values frozen at capture (host numbers) stay frozen.
+    (in-place writes to inputs, RNG draws), as a real capture has none, and keeps the version counters its ops bumped,
+    as the ops a real capture records bump them. Replay runs the callable again on the same tensors and copies the
+    results into those output buffers, so a held output is overwritten exactly when a real graph would overwrite it,
+    and values frozen at capture (host numbers) stay frozen.
     """
 
     name = "emulate"
@@ -261,6 +266,11 @@ class EmulatedBackend:
         if given_back is not None:
             given_back.append(tensor.untyped_storage())
         return True
+
+    def own_storage_refs(self, storage: torch.UntypedStorage) -> int:
+        """References to ``storage``'s Python object that the emulation holds: one per live output it moved into that
+        given-back memory (``_into_given_back``)."""
+        return sum(ref() is not None for ref in _living_in.get(storage.data_ptr(), []))
 
     def free(self, tensor: torch.Tensor) -> bool:
         """Where a CUDA eager run frees ``tensor``'s memory, fills it with bytes 0xFF instead (NaN in every floating
@@ -296,7 +306,7 @@ class EmulatedBackend:
                     torch.set_rng_state(rng_state)
                 with torch.no_grad():
                     for tensor, value in before:
-                        tensor.copy_(value)
+                        tensor.data.copy_(value)  # through .data: the undo itself moves no version counter
             _into_given_back(outputs, args, given_back)
         return EmulatedGraph(fn, args, static, outputs), outputs
 

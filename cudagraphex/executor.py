@@ -151,8 +151,9 @@ class CUDAGraphExecutor(FusionExecutor):
             trace: an execution trace; Thunder passes the joint forward-backward trace (or the computation trace)
                 here, the :class:`~cudagraphex.CUDAGraphTransform` adapter passes the forward and backward traces.
             num_static_inputs: legacy. For a backward trace, the first ``num_static_inputs`` tensors saved for
-                backward are static. They are matched to each graph's inputs by name; one whose address changes
-                between calls is demoted to a copied input.
+                backward are static, except those the forward got from its caller (a batch, or a view of one), which
+                are read as the caller's tensors are. They are matched to each graph's inputs by name; one whose
+                address changes between calls is demoted to a copied input.
 
         Raises:
             ValueError: if ``num_static_inputs`` is not a non-negative int no larger than the number of saved
@@ -163,6 +164,8 @@ class CUDAGraphExecutor(FusionExecutor):
         graphs = self._function_graphs()
         kind = trace_kind(trace)
         is_backward = kind == "backward"
+        # A batch the forward saved moves with every call: declared static, it would cost a graph per move.
+        declared -= graphs.forward_caller_outputs if is_backward else frozenset()
         earlier_outputs = graphs.forward_graph_outputs if is_backward else frozenset()
         inner = self._inner_executors()
         plan = plan_regions(
@@ -204,6 +207,7 @@ class CUDAGraphExecutor(FusionExecutor):
                 bsyms.append(item)
         if kind == "forward":
             graphs.forward_graph_outputs = frozenset(graph_outputs)
+            graphs.forward_caller_outputs = plan.caller_outputs
 
         fused = from_trace(trace)
         fused.bound_symbols = bsyms

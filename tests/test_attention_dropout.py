@@ -139,6 +139,36 @@ def test_backward_that_runs_eagerly_after_a_replayed_forward():
         check_backward(out, v, grad_out)
 
 
+def test_a_backward_after_a_forward_run_eagerly_for_a_held_output_captures_no_new_graph():
+    # An output held into the next call makes that call's forward run eagerly, which returns the RNG state in host
+    # memory: its backward is a transient miss (the saved tensors moved too), not a new signature worth a graph. The
+    # same q, k, v every call: fresh ones would land elsewhere while the held output's autograd graph keeps the last
+    # ones alive, and a moved caller input costs a graph of its own.
+    _, jm = jitted()
+    q, k, v = probe()
+
+    def call() -> torch.Tensor:
+        v.grad = None
+        out = jm(q, k, v)
+        check_forward(out, training=True)
+        grad_out = torch.randn_like(out)
+        out.backward(grad_out)
+        check_backward(out, v, grad_out)
+        return out
+
+    for _ in range(3):
+        call()
+    held = call()
+    call()  # its forward runs eagerly: ``held`` still references the forward graph's output
+    del held
+    for _ in range(3):
+        call()
+    report = explain(jm)
+    (backward,) = [r for r in report.regions if r.phase == "backward"]
+    assert len(backward.graphs) == 1 and backward.eager_calls.get("static input moved") == 1
+    assert sum(len(r.graphs) for r in report.regions) == 2
+
+
 def thunder_nanogpt(dropout: float):
     from thunder.tests.nanogpt_model import GPT, GPTConfig
 

@@ -88,17 +88,23 @@ def test_num_static_inputs_on_a_forward_trace_raises():
 # -- the drop-in transform ----------------------------------------------------------------------------------------------
 
 
-def test_transform_demotes_a_moving_declared_input_with_one_info_log(caplog, backend):
-    transform = transform_for(backend)
-    model = mlp(3, 16).to(backend.device)
+class NoTanh(CUDAGraphTransform):
+    def can_fuse(self, bsym):
+        return "tanh" not in bsym.sym.name and super().can_fuse(bsym)
+
+
+def steps_beside_eager(transform, model, backend, caplog, *, keep: str) -> tuple[list[str], list[int]]:
+    """Five training steps beside eager, keeping every step's input or output (``keep``) so that each lands at a new
+    address: the INFO messages that say an input changed address, and the graphs of each region."""
     reference = twin(model)
     jm = thunder.jit(model, transforms=[transform])
     # One cotangent for every call: one that autograd makes afresh lands wherever the allocator puts it, and a graph
     # that read it in place would demote it when it moves.
     grad = torch.randn(4, 16, device=backend.device)
+    kept = []
     with caplog.at_level(logging.INFO, logger="cudagraphex"):
         for _ in range(5):
-            x = torch.randn(4, 16, device=backend.device, requires_grad=True)
+            x = torch.randn(4, 16, device=backend.device)
             out, ref = jm(x), reference(x)
             torch.testing.assert_close(out, ref)
             out.backward(grad)
@@ -106,16 +112,28 @@ def test_transform_demotes_a_moving_declared_input_with_one_info_log(caplog, bac
             assert_grads_close(model, reference)
             model.zero_grad()
             reference.zero_grad()
+            kept.append(x if keep == "inputs" else out)
             del out
-    demotions = [r for r in caplog.records if "changed address" in r.getMessage()]
-    assert len(demotions) == 1 and "input" in demotions[0].getMessage()
+    demotions = [r.getMessage() for r in caplog.records if "changed address" in r.getMessage()]
+    return demotions, [len(r.instances) for r in transform_graphs(jm, transform).regions()]
+
+
+def test_transform_demotes_a_moving_declared_input_with_one_info_log(caplog, backend):
+    # tanh runs eagerly; its output, returned and saved for backward, is declared static and moves with every step.
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()).to(backend.device)
+    demotions, graphs = steps_beside_eager(NoTanh(backend=backend.name), model, backend, caplog, keep="outputs")
+    assert len(demotions) == 1 and "(declared static) changed address" in demotions[0]
+    assert graphs == [2]
+
+
+def test_transform_does_not_declare_a_saved_batch_static(caplog, backend):
+    # Declared static, the batch saved for backward would be read in place by the first backward graph, then demoted
+    # with a second graph when the next batch lands elsewhere.
+    model = mlp(3, 16).to(backend.device)
+    assert steps_beside_eager(transform_for(backend), model, backend, caplog, keep="inputs") == ([], [1, 1])
 
 
 def test_transform_accepts_share_mem_pool_and_a_can_fuse_override():
-    class NoTanh(CUDAGraphTransform):
-        def can_fuse(self, bsym):
-            return "tanh" not in bsym.sym.name and super().can_fuse(bsym)
-
     for share in (True, False):
         transform = NoTanh(share_mem_pool=share, backend="emulate")
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2), torch.nn.ReLU())

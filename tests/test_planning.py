@@ -166,6 +166,41 @@ def test_refused_rematerialization_is_decided_by_the_producer(fused):
     assert [p.name for p in inputs] == [a.name if fused else b.name]
 
 
+def test_refused_rematerialization_reads_what_an_earlier_graph_returns_though_no_plan_read_it():
+    # The consumer planned to read c = exp(b), computed outside graphs; rematerialization hands it back computing c
+    # from b, and b from the cut a. Refused, it drops cos (the producer returns b again) and keeps exp, which reads b.
+    trace = thunder.trace()(lambda x: x.sin().cos().exp().tan(), torch.randn(3))
+    sin, cos, exp, tan = (b for b in trace.bound_symbols if b.sym.name in ("sin", "cos", "exp", "tan"))
+    x, a, b, c = sin.args[0], sin.output, cos.output, exp.output
+    producer = RegionSpec([sin, cos], [x], [b], "cpu", "forward")
+    consumer = RegionSpec([tan], [c], [tan.output], "cpu", "backward")
+    members, inputs, _ = refused_rematerialization(
+        consumer, [cos, exp, tan], [a], [tan.output], [producer], lambda bsym: False
+    )
+    assert members == [exp, tan]
+    assert [p.name for p in inputs] == [b.name]
+
+
+def test_a_backward_graph_reads_the_dropout_mask_its_forward_graph_returns():
+    # Rematerialization would save the mask's comparison and recompute the float mask in the backward; refused, the
+    # forward graph returns the mask and the backward graph reads it, though neither planned region listed it.
+    def f(x):
+        v = torch.tanh(x)
+        scaled = v * x.mean().item()
+        return torch.nn.functional.dropout(v, p=0.25, training=True), scaled
+
+    ex = CUDAGraphExecutor("cudagraphex_mask", backend="emulate", min_region_size=1)
+    jf = thunder.jit(f, executors=[ex, *thunder.get_default_executors()])
+    for _ in range(3):
+        x = torch.randn(3, 6, requires_grad=True)
+        dropped, scaled = jf(x)
+        torch.autograd.backward([dropped, scaled], [torch.ones_like(dropped), torch.ones_like(scaled)])
+        v = torch.tanh(x.detach())
+        kept = (dropped.detach() != 0).float()
+        torch.testing.assert_close(x.grad, (kept / 0.75 + x.detach().mean()) * (1 - v * v))
+    assert replays(jf, ex) >= 2
+
+
 def test_refused_rematerialization_never_reads_what_no_graph_returns():
     producer, consumer, (_, cos, exp), (_, a, _) = _chain_regions()
     gone = dataclasses.replace(producer, outputs=[])  # returns neither the cut nor what the consumer planned to read

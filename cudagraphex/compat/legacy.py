@@ -124,7 +124,7 @@ class CUDAGraphTransform(Transform):
     Use it as ``thunder.jit(fn, transforms=[CUDAGraphTransform()])``. Subclass it and override :meth:`can_fuse` to keep
     symbols out of graphs. Backward traces are recognised by Thunder's ``TraceTag.BACKWARD``; for them the tensors
     saved for backward are declared static (matched to graph inputs by name, demoted to copied inputs if their address
-    changes), as the old executor's ``num_static_inputs`` did.
+    changes), as the old executor's ``num_static_inputs`` did, except a batch the forward got from its caller.
 
     Args:
         share_mem_pool: whether the graphs of one compiled function share one memory pool per device. Unlike

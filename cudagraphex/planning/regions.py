@@ -103,6 +103,9 @@ class Plan:
 
     sequence: list[RegionSpec | BoundSymbol]
     breaks: list[Break] = field(default_factory=list)
+    #: Outputs of the trace that are tensors its caller passed in, or may be views of one (a batch a forward saves for
+    #: backward): they move with every call.
+    caller_outputs: frozenset[str] = frozenset()
 
     @property
     def regions(self) -> list[RegionSpec]:
@@ -221,6 +224,7 @@ class _Planner:
             if not hazards:
                 self._mark_returned(plan)
                 _mark_last_reads(plan)
+                plan.caller_outputs = frozenset(n for n in self.trace_outputs if self._from_caller(n))
                 return plan
             # A hazard of a member that decomposes a symbol of the trace keeps that symbol out.
             extra.update({self.origin.get(key, key): why for key, why in hazards.items()})

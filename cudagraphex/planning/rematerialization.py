@@ -52,9 +52,11 @@ def refused_rematerialization(
     if dropped and not all(map(fused, computing)):
         outputs = list(planned.outputs)
     members = _restore_lost_members(planned.bound_symbols, members, {p.name for p in inputs}, outputs)
+    # A kept recomputation may read what an earlier graph returns though neither version of this region read it.
+    candidates = (*inputs, *planned.inputs, *(p for spec in earlier for p in spec.outputs))
     planned_members = {id(b) for b in planned.bound_symbols}
     if all(id(b) in planned_members for b in members):
-        return members, _inputs_read(members, (*inputs, *planned.inputs)), outputs
+        return members, _inputs_read(members, candidates), outputs
 
     produced_earlier = {p.name for spec in earlier for b in spec.bound_symbols for p in b.flat_proxy_outs}
     available = {p.name for spec in earlier for p in spec.outputs}
@@ -74,7 +76,7 @@ def refused_rematerialization(
         raise RuntimeError(
             f"cudagraphex: after rematerialization a graph would read {missing}, which no earlier graph returns"
         )
-    return kept, _inputs_read(kept, (*inputs, *planned.inputs)), outputs
+    return kept, _inputs_read(kept, candidates), outputs
 
 
 def _inputs_read(members: list[BoundSymbol], candidates: Iterable[TensorProxy]) -> list[TensorProxy]:

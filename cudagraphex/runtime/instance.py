@@ -11,9 +11,10 @@ Guards
 
 Replay
     A replay copies the copied inputs into the instance's buffers (one batched copy), replays the graph, bumps the
-    version counters of the inputs it wrote where they are (as eager's in-place ops do, so that autograd sees the
-    writes), copies back the buffers of written copied inputs, and hands out the outputs (``handout``). The region
-    checks ``liveness`` before it replays.
+    version counters of the static inputs whose counters its capture moved (as eager's in-place ops do, so that
+    autograd sees the writes; one the trace only may write keeps its counter), copies back the buffers of copied
+    inputs it may write (bumping the counters of those its capture wrote), and hands out the outputs (``handout``).
+    The region checks ``liveness`` before it replays.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from cudagraphex.runtime.guards import addresses_equal, layout_guard
 from cudagraphex.runtime.handout import Handout
 from cudagraphex.runtime.liveness import Liveness, Pool
 from cudagraphex.runtime.release import GivenBack, Storage, giving_back
-from cudagraphex.runtime.staging import input_buffer, picker
+from cudagraphex.runtime.staging import input_buffer, picker, version_of
 
 if TYPE_CHECKING:
     from cudagraphex.runtime.region import GraphedRegion
@@ -103,9 +104,9 @@ class Instance:
             self.buffers.append(buf)
             self.expanded_dims.append(expanded)
         self.any_expanded = any(self.expanded_dims)
-        self.copy_back = [(i, buf) for i, buf in zip(copied, self.buffers, strict=True) if i in region.mutated_idx]
-        #: Inputs the graph writes where they are; the copy-back bumps the version counters of the others.
-        self.written_in_place = [i for i in self.static if i in region.mutated_idx]
+        copied_back = [(i, buf) for i, buf in zip(copied, self.buffers, strict=True) if i in region.mutated_idx]
+        versions = {i: version_of(args[i]) for i in self.static if i in region.mutated_idx}
+        buffer_versions = [version_of(buf) for _, buf in copied_back]
 
         before = region.backend.reserved_bytes(region.device)
         start = time.perf_counter()
@@ -124,8 +125,17 @@ class Instance:
                 # The memory given back is the pool's now.
                 pool.note_given_back([(give_back[cd].owner, give_back[cd].group) for cd in given])
                 raise
+        #: Static inputs the capture wrote: the ops it records bump the counters of what they write, as eager's do,
+        #: and one the trace only may write (an alias it cannot rule out) keeps its counter. Each replay bumps them
+        #: again, so that autograd sees the writes.
+        self.written_in_place = [i for i, v in versions.items() if version_of(args[i]) != v]
+        #: Per copied input the trace may write: its position, its buffer, and whether the capture wrote the buffer.
+        #: Every replay copies the buffer back; only a written one bumps the input's counter.
+        self.copy_back = [
+            (i, buf, version_of(buf) != v) for (i, buf), v in zip(copied_back, buffer_versions, strict=True)
+        ]
         #: The storages this capture gave back, and when a replay may overwrite them again (None: it gave none back).
-        self.given_back = GivenBack(give_back, given, args) if given else None
+        self.given_back = GivenBack(give_back, given, args, region.backend.own_storage_refs) if given else None
         #: Per tensor input, the tensor the graph read: the caller's tensor (static, read in place) or its buffer. An
         #: input whose memory was given back is left out: an output the capture allocated in that memory has its
         #: address without being a view of it (a region returns no view of an input it reads last).
@@ -191,6 +201,7 @@ class Instance:
             if self.written_in_place:  # as eager's in-place ops do, so that autograd sees the writes
                 torch.autograd.graph.increment_version([args[i] for i in self.written_in_place])
         if self.copy_back and PROTECTIONS["copy_back_mutated_inputs"]:
-            torch._foreach_copy_([args[i] for i, _ in self.copy_back], [buf for _, buf in self.copy_back])
+            targets = [args[i] if written else args[i].data for i, _, written in self.copy_back]
+            torch._foreach_copy_(targets, [buf for _, buf, _ in self.copy_back])
         self.replays += 1
         return self.handout.outputs(args)

@@ -42,7 +42,7 @@ from cudagraphex.runtime.instance import Instance
 from cudagraphex.runtime.liveness import Pool
 from cudagraphex.runtime.options import GraphOptions, ParameterMovedError, RegionInfo, StrictModeError
 from cudagraphex.runtime.release import Storage, eager_candidates, give_back_candidates, giving_back
-from cudagraphex.runtime.staging import signature
+from cudagraphex.runtime.staging import signature, version_of
 
 __all__ = ["FunctionGraphs", "GraphedRegion"]
 
@@ -60,6 +60,8 @@ class FunctionGraphs:
         self.traces: list[tuple[str, list, list[GraphedRegion]]] = []
         #: Names of tensors that graphs of the last forward trace produced (for a following backward trace).
         self.forward_graph_outputs: frozenset[str] = frozenset()
+        #: Names of the last forward trace's outputs that are its caller's tensors or views of them (``Plan``).
+        self.forward_caller_outputs: frozenset[str] = frozenset()
         #: Every fusion built for this function, by its unique name (owned by the executor module).
         self.fusions: dict[str, Any] = {}
         #: Set when the function was compiled with PruneParameterChecks: a moved parameter is then an error.
@@ -158,9 +160,15 @@ class GraphedRegion:
                     return c.replay(args, c.pick_copied(args))
                 given_back_held = True
         if not candidates:
-            self._calls_per_key[key] += 1
-            if self._calls_per_key[key] <= self.options.warmup_calls:
-                return self._warmup(args, key)
+            warm = self._warmup_key(key)
+            twins = [c for c in self.instances if self._warmup_key(c.key) == warm] if self.rng_state_idx else []
+            if twins and all(c.moved(args) for c in twins):
+                # RNG state in host memory where these graphs took it in device memory: the forward ran eagerly this
+                # call, and the tensors it saved moved with it. A transient miss, as a moved graph output is.
+                return self._on_moved(args, key, twins)
+            self._calls_per_key[warm] += 1
+            if self._calls_per_key[warm] <= self.options.warmup_calls:
+                return self._warmup(args, warm)
             why = "new input signature" if self.instances else "first capture"
             return self._capture(args, key, private=False, why=why)
         if given_back_held:
@@ -295,17 +303,26 @@ class GraphedRegion:
 
         One the region writes is left out, so that a written input keeps the one path it has always had (a buffer
         and a copy-back); reading it in place would be correct too, but no workload measured needs it."""
-        seen = self._warmup_addresses.get(key, {})
+        seen = self._warmup_addresses.get(self._warmup_key(key), {})
         return frozenset(
             i
             for i, address in seen.items()
             if self.kinds[i] is InputKind.CALLER and i not in self.mutated_idx and args[i].data_ptr() == address
         )
 
+    def _warmup_key(self, key: tuple) -> tuple:
+        """The signature ``key`` as warm-ups count it: without the device of dropout RNG state, which an eager forward
+        returns in host memory and a forward graph in device memory, so that the first call after the forward's
+        capture captures the backward instead of warming it up again (beside the forward graph's saved tensors)."""
+        if not self.rng_state_idx:
+            return key
+        rng = set(self.rng_state_idx)
+        return tuple(k[:3] if i in rng and len(k) == 4 else k for i, k in enumerate(key))
+
     def _warmup(self, args: Sequence[torch.Tensor], key: tuple) -> list[torch.Tensor]:
         """The eager warm-up call; also catches in-place writes the trace analysis missed, via version counters."""
         watched = [i for i in range(len(args)) if i not in self.mutated_idx and self.kinds[i].is_copied]
-        before = {i: _version(args[i]) for i in watched}
+        before = {i: version_of(args[i]) for i in watched}
         self._warmup_addresses[key] = {
             i: args[i].data_ptr()
             for i, kind in enumerate(self.kinds)
@@ -313,7 +330,7 @@ class GraphedRegion:
         }
         out = self._eager(args, "warm-up")
         for i in watched:
-            if before[i] is not None and _version(args[i]) != before[i]:
+            if before[i] is not None and version_of(args[i]) != before[i]:
                 logger.info(
                     "%s: the warm-up wrote into %s; it is copied back after replays",
                     self.name,
@@ -349,12 +366,3 @@ class GraphedRegion:
         anchors = self.graphs.direct_anchors
         detached: dict[int, torch.Tensor] = {}  # one tensor at several positions stays one tensor
         return [detached.setdefault(id(o), o.detach()) if id(o) in anchors else o for o in out]
-
-
-def _version(t: torch.Tensor | None) -> int | None:
-    if t is None:
-        return None
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return None

@@ -28,8 +28,8 @@ What may be given back
 
 When a graph that gave memory back may replay
     Only under the same conditions, checked on every call (:class:`GivenBack`): ``retain_graph=False``, the same
-    reference counts and use counts as at the capture. Otherwise the call takes another instance, or one captured in
-    a pool of its own (``GraphedRegion``).
+    reference counts and use counts as at the capture, and as many holders of each storage's Python object.
+    Otherwise the call takes another instance, or one captured in a pool of its own (``GraphedRegion``).
 
 Who else may overwrite a given-back storage
     Any graph captured later into the pool may take its block. Each such graph's replay therefore waits until the
@@ -56,10 +56,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import dis
+import functools
 import sys
 import threading
 import types
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -181,24 +183,31 @@ def caller_frame() -> types.FrameType | None:
 def read_after_call(frame: types.FrameType, names: Sequence[str]) -> set[str]:
     """Which of the locals ``names`` the code of ``frame`` may load after the call it is making: all of them where
     that code jumps, or a name is not one of its locals."""
-    code = frame.f_code
-    local = set(code.co_varnames)
-    if any(name not in local for name in names):
-        return set(names)
-    after = [ins for ins in dis.get_instructions(code) if ins.offset > frame.f_lasti]
+    return set(_loaded_after(frame.f_code, frame.f_lasti, tuple(names)))
+
+
+@functools.lru_cache(maxsize=256)
+def _loaded_after(code: types.CodeType, lasti: int, names: tuple[str, ...]) -> frozenset[str]:
+    """:func:`read_after_call` for the call at ``lasti`` in ``code``; the first instruction after it that names a
+    local decides: a store or delete of it alone means not read, anything else (a load, an instruction on several
+    names) read. Cached: a backward calls each region from one place, once per step."""
+    if any(name not in code.co_varnames for name in names):
+        return frozenset(names)
+    after = [ins for ins in dis.get_instructions(code) if ins.offset > lasti]
     if any(ins.opcode in dis.hasjrel or ins.opcode in dis.hasjabs for ins in after):
-        return set(names)
-    read: set[str] = set()
-    for name in names:
-        for ins in after:
-            values = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
-            if name not in values:
-                continue
-            if ins.opname.startswith(("DELETE_FAST", "STORE_FAST")) and len(values) == 1:
-                break
-            read.add(name)  # a load, or an instruction on several names that may load it
+        return frozenset(names)
+    pending, read = set(names), set()
+    for ins in after:
+        values = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+        hit = {v for v in values if isinstance(v, str) and v in pending}
+        if not hit:
+            continue
+        pending -= hit
+        if not (ins.opname.startswith(("DELETE_FAST", "STORE_FAST")) and len(values) == 1):
+            read |= hit
+        if not pending:
             break
-    return read
+    return frozenset(read)
 
 
 # -- deciding at capture ---------------------------------------------------------------------------------------------
@@ -220,6 +229,27 @@ class Storage:
     pending: int = 0
 
 
+def _loaded_by_caller(region: GraphedRegion, groups: Iterable[list[int]]) -> set[str] | None:
+    """The names of the inputs at the positions of ``groups`` that the region's caller may load after the call
+    (:func:`read_after_call`); None where the calling frame is not found."""
+    frame = caller_frame()
+    if frame is None:
+        return None
+    names = region.info.input_names
+    try:
+        return read_after_call(frame, [names[i] for positions in groups for i in positions])
+    finally:
+        del frame
+
+
+def _held_by_call(args: Sequence[object]) -> Callable[[int], int]:
+    """The count :func:`refs` takes of ``args[i]`` while only the call references it: the call path's share once per
+    position the tensor is passed at, the temporaries of taking the count once."""
+    call, temps = call_path_refs(len(args)), _refs_temps()
+    times = Counter(id(a) for a in args)
+    return lambda i: (call - temps) * times[id(args[i])] + temps
+
+
 def give_back_candidates(
     region: GraphedRegion, args: Sequence[object], pool: Pool, static: Sequence[int]
 ) -> dict[int, Storage]:
@@ -235,16 +265,14 @@ def give_back_candidates(
             on.setdefault(group, []).append(i)
     if not on:
         return {}
-    frame = caller_frame()
-    if frame is None:
+    later = _loaded_by_caller(region, on.values())
+    if later is None:
         return {}
     names = region.info.input_names
     last = set(region.last_read_idx) & set(static)
-    later = read_after_call(frame, [names[i] for positions in on.values() for i in positions])
-    del frame
     # A count taken by ``refs``: an alias's is the call path's; an anchor's adds our structures' (its baseline, which
     # holds the temporaries of taking a count once more).
-    call = call_path_refs(len(args))
+    held = _held_by_call(args)
     found: dict[int, Storage] = {}
     for (owner, g), positions in on.items():
         if any(i not in last or names[i] in later for i in positions):
@@ -255,10 +283,7 @@ def give_back_candidates(
         for i in positions:
             anchor = pool.anchor_of(args[i])
             passed[id(args[i])] = anchor is None
-            # The call path holds a tensor passed at several positions once per position; the temporaries of taking
-            # the count, once.
-            held = (call - _refs_temps()) * sum(a is args[i] for a in args) + _refs_temps()
-            expected.append(held if anchor is None else held + anchor[0].direct_refs[anchor[1]] - _refs_temps())
+            expected.append(held(i) if anchor is None else held(i) + anchor[0].direct_refs[anchor[1]] - _refs_temps())
         aliases = sum(passed.values())
         others_free = all(
             refs(owner.direct, (k,))[0] == owner.direct_refs[k]
@@ -286,19 +311,17 @@ def eager_candidates(region: GraphedRegion, args: Sequence[object]) -> dict[int,
     on = {cdata: positions for cdata, positions in on.items() if last.issuperset(positions)}
     if not on:
         return {}
-    frame = caller_frame()
-    if frame is None:
+    later = _loaded_by_caller(region, on.values())
+    if later is None:
         return {}
     names = region.info.input_names
-    later = read_after_call(frame, [names[i] for positions in on.values() for i in positions])
-    del frame
-    call, temps = call_path_refs(len(args)), _refs_temps()
+    held = _held_by_call(args)
     found: dict[int, Storage] = {}
     for cdata, positions in on.items():
         if any(names[i] in later for i in positions):
             continue
         counts = refs(args, positions)
-        expected = [(call - temps) * sum(a is args[i] for a in args) + temps for i in positions]
+        expected = [held(i) for i in positions]
         # The tensors passed, and the storage's Python object (made above), which nothing else may hold either.
         uses = len({id(args[i]) for i in positions}) + _storage_object()[0]
         if not guarded or (counts == expected and _use_count(cdata) == uses and storage_unheld(args[positions[0]])):
@@ -339,7 +362,13 @@ def _refs_temps() -> int:
 class GivenBack:
     """The storages one instance's capture gave back, and the check that its replay may overwrite them again."""
 
-    def __init__(self, storages: dict[int, Storage], done: Sequence[int], args: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        storages: dict[int, Storage],
+        done: Sequence[int],
+        args: Sequence[torch.Tensor],
+        own_refs: Callable[[torch.UntypedStorage], int],
+    ) -> None:
         given = [storages[cdata] for cdata in done]
         self._storages = {cdata: storages[cdata] for cdata in done}
         #: (owner's liveness, output group) of each storage given back.
@@ -354,6 +383,14 @@ class GivenBack:
             (s.owner, k) for s in given for k in s.owner.members(s.group) if id(s.owner.direct[k]) not in passed
         ]
         self.nbytes = sum(args[s.positions[0]].untyped_storage().nbytes() for s in given)
+        #: The storages' Python objects, and their reference counts less the capture machinery's (``own_refs``) as
+        #: :meth:`_storage_refs` takes them: a holder of the storage alone shows in no tensor count or use count.
+        self._storage_objects = [args[s.positions[0]].untyped_storage() for s in given]
+        self._own_refs = own_refs
+        self.storage_refs = self._storage_refs()
+
+    def _storage_refs(self) -> list[int]:
+        return [sys.getrefcount(o) - self._own_refs(o) for o in self._storage_objects]
 
     def allow(self, args: Sequence[torch.Tensor]) -> bool:
         """Whether this call may replay the graph: the memory it gave back is referenced by the call alone."""
@@ -364,6 +401,7 @@ class GivenBack:
             and refs(args, self.positions) == self.counts
             and [_use_count(cd) for cd in self.cdata] == self.uses
             and all(refs(owner.direct, (k,))[0] == owner.direct_refs[k] for owner, k in self.others)
+            and self._storage_refs() == self.storage_refs
         )
 
     def overwritten_at_release(self, args: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager:

@@ -46,7 +46,7 @@ import torch
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.capture import expanded_dims
 
-__all__ = ["input_buffer", "picker", "signature"]
+__all__ = ["input_buffer", "picker", "signature", "version_of"]
 
 
 def signature(args: Sequence[Any]) -> tuple:
@@ -92,3 +92,14 @@ def overlaps(shape: Sequence[int], stride: Sequence[int]) -> bool:
             return True
         reach += st * (n - 1)
     return False
+
+
+def version_of(t: torch.Tensor | None) -> int | None:
+    """``t``'s version counter, which each in-place op on it (or on a view of it) bumps; None for no tensor, or an
+    inference tensor, which has no counter."""
+    if t is None:
+        return None
+    try:
+        return t._version
+    except RuntimeError:
+        return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from benchmarks.models import conv_bn
 from cudagraphex.planning.static_inputs import InputKind
@@ -146,6 +147,66 @@ def test_inplace_protection_bites():
         assert not cache_passed_as_argument_stays_correct(emulated)
     with protection_off("undo_capture_side_effects"):
         assert not counter_is_applied_once(emulated)
+
+
+def test_graphs_of_calls_between_a_forward_and_its_backward_leave_the_tensors_it_saved_usable(backend):
+    """A capture records writes and makes none, and a replay bumps the version counters of the inputs its capture
+    wrote, as eager's in-place ops do, and of no other: here calls under ``no_grad`` warm up, capture and replay
+    between a forward and its backward, and the trace shows ``out.sub_`` as a possible write of ``p``, which that
+    backward saved."""
+
+    def f(x, w, p):
+        v = F.linear(x, w, p)
+        out = F.layer_norm(v, v.shape[-1:], p, p)
+        out.sub_(out.detach())
+        return out
+
+    device = backend.device
+    w = (torch.randn(6, 6, device=device) / 6**0.5).requires_grad_()
+    p = (torch.randn(6, device=device) * 0.5).requires_grad_()
+    x = torch.randn(3, 6, device=device, requires_grad=True)
+    ref_x, ref_w, ref_p = (t.detach().clone().requires_grad_() for t in (x, w, p))
+    jf = jit(f, backend.executor)
+    out = jf(x, w, p)
+    with torch.no_grad():
+        for _ in range(3):  # a warm-up, a capture, a replay
+            jf(torch.randn(3, 6, device=device), w, p)
+    (inference,) = regions(jf, backend.executor, "computation")
+    assert len(inference.instances) == 1 and inference.instances[0].replays >= 1
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    f(ref_x, ref_w, ref_p).backward(grad)
+    torch.testing.assert_close((x.grad, w.grad, p.grad), (ref_x.grad, ref_w.grad, ref_p.grad))
+
+
+def test_a_copy_back_moves_no_version_counter_of_an_input_its_capture_did_not_write(backend):
+    """The trace shows ``v.sub_`` as a possible write of ``x``, so a graph that copies ``x`` in copies its buffer back
+    after each replay; the values are the same, and the version counter that a pending backward checks stays."""
+
+    def f(x, w):
+        v = F.layer_norm(x, (6,), w, w)
+        v.sub_(v.detach())
+        return v * x  # saves x
+
+    device = backend.device
+    w = torch.randn(6, device=device, requires_grad=True)
+    jf = jit(f, backend.executor)
+    kept = []
+    with torch.no_grad():
+        for _ in range(6):  # every call at a new address: x misses until it is demoted to a copied input
+            kept.append(torch.randn(3, 6, device=device))
+            jf(kept[-1], w)
+    (inference,) = regions(jf, backend.executor, "computation")
+    assert inference.kinds[inference.info.input_names.index("x")] is InputKind.COPIED
+    x = torch.randn(3, 6, device=device)
+    ref_w = w.detach().clone().requires_grad_()
+    out = jf(x, w)
+    with torch.no_grad():
+        torch.testing.assert_close(jf(x, w), f(x, w))  # a replay whose copy-back writes x
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    f(x, ref_w).backward(grad)
+    torch.testing.assert_close(w.grad, ref_w.grad)
 
 
 def test_tensor_copy_writes_its_destination_not_its_source(backend):
