@@ -3,10 +3,11 @@
 See :mod:`tests.fuzzing`. A failure prints each failing seed with its program and call pattern; reproduce one with
 ``python -m tests.fuzzing --seed SEED`` (add ``--shrink`` for a smaller program with the same symptom). Differences
 where plain Thunder is the one that departs from eager PyTorch, and cudagraphex agrees with eager, are listed but not
-counted; so are outputs that lose requires_grad as they do with Thunder's own torch.compile fusion executor, or where
-plain Thunder's backward for the call returns no gradient, and backwards that plain Thunder refuses for an input
-written after the forward where cudagraphex's gradients do not depend on the write, and writes into a view of a leaf
-that requires grad, which eager refuses and cudagraphex runs as eager runs them through ``.detach()``.
+counted; so are outputs left out of autograd (requires_grad, is_leaf) as they are with Thunder's own torch.compile
+fusion executor, or where plain Thunder's backward for the call returns no gradient, and backwards that plain Thunder
+refuses for an input written after the forward where cudagraphex's gradients do not depend on the write, and writes
+into a view of a leaf that requires grad, which eager refuses and cudagraphex runs as eager runs them through
+``.detach()``.
 """
 
 from __future__ import annotations
@@ -140,6 +141,36 @@ def test_requires_grad_under_no_grad_that_only_an_empty_thunder_backward_gives_i
     (failure,) = check(program).failures
     assert failure.step == 2 and failure.symptom == "outN: requires_grad"
     assert "backward trace for this call returns no gradient" in failure.excused
+
+
+def test_a_view_of_a_parameter_that_only_an_empty_thunder_backward_connects_is_excused():
+    """Thunder's grad transform finds no gradient for ``self.w0[0]`` after ``self.w0.mul_(0.99)`` under ``no_grad``
+    (eager has one). Plain Thunder connects the output only because it moves the dead write into ``x0``'s alias into a
+    backward that returns no gradient; cudagraphex keeps that write in the forward, so no backward is left and the
+    output is the view eager makes under ``no_grad``, a leaf that requires grad: excused."""
+    lines = [
+        Line("with torch.no_grad():\n    self.w0.mul_(0.99)", None, frozenset({"self.w0"}), True, "param_write"),
+        Line("v0 = x0.detach()", "v0", frozenset({"x0"}), False, "detach"),
+        Line("v0.mul_(0.9).add_(v0.detach())", None, frozenset({"v0"}), True, "write_input"),
+    ]
+    program = Program(
+        seed=0,
+        module=True,
+        width=4,
+        batches=(2,),
+        tensors=[
+            TensorSpec("x0", "BD", "x", requires_grad=True),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+        ],
+        lines=lines,
+        outputs=["self.w0[0]"],
+        steps=[Step("call", Mode())],
+        position="last",
+        min_region_size=1,
+    )
+    (failure,) = check(program).failures
+    assert failure.symptom == "outN: is_leaf"
+    assert failure.excused.startswith("Thunder's grad transform finds no gradient")
 
 
 def test_a_write_that_only_plain_thunders_backward_reads_is_excused():

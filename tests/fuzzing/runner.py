@@ -66,8 +66,8 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
     """Runs the program eagerly beside cudagraphex up to the failing step. When eager PyTorch agrees with
     cudagraphex on what failed (the same error or none; values within a tolerance, or to the last bit where the
     difference was within one; metadata only for random programs), plain Thunder is the one that differs, and the
-    failure is excused. An output's requires_grad is excused also where Thunder with a fusion executor of its own
-    agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`), or plain Thunder's backward for the call returns
+    failure is excused. An output that plain Thunder connects to autograd and cudagraphex does not (its requires_grad,
+    its is_leaf) is excused also where Thunder with a fusion executor of its own agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`), or plain Thunder's backward for the call returns
     no gradient (:func:`_thunders_backward_has_no_gradient`); so is a backward that plain Thunder refuses for an
     input written after its forward, where cudagraphex's gradients do not depend on the write (see
     :func:`_write_not_read`), and a write into a view of a leaf that requires grad, which eager refuses and cudagraphex
@@ -86,7 +86,7 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
         or _write_not_read(failure, backend, ex)
         or _leaf_written_through_a_view(failure, backend, ex)
     )
-    if not failure.excused and failure.symptom.endswith(": requires_grad"):
+    if not failure.excused and _connected_only_by_thunder(failure):
         no_gradient = (
             "Thunder's grad transform finds no gradient, so Thunder connects outputs to autograd only where its"
             " backward trace is not empty: without a fusion executor an in-place write no forward output needs is"
@@ -94,7 +94,7 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
         )
         if _a_fusion_executor_agrees(failure, backend, ex):
             failure.excused = (
-                f"{no_gradient}; Thunder with its torch.compile fusion executor loses requires_grad as well"
+                f"{no_gradient}; Thunder with its torch.compile fusion executor does not connect it either"
             )
         elif _thunders_backward_has_no_gradient(failure, backend):
             failure.excused = f"{no_gradient}; plain Thunder's backward trace for this call returns no gradient"
@@ -271,12 +271,26 @@ def _a_fusion_executor_agrees(
     return False
 
 
+#: How an output's metadata shows that plain Thunder connected it to autograd and cudagraphex did not.
+_CONNECTED_ONLY_BY_THUNDER = {
+    "requires_grad": "reference True, cudagraphex False",
+    "is_leaf": "reference False, cudagraphex True",  # a view of a leaf made under no_grad requires grad
+}
+
+
+def _connected_only_by_thunder(failure: Failure) -> bool:
+    return any(
+        failure.symptom.endswith(f": {key}") and detail in failure.detail
+        for key, detail in _CONNECTED_ONLY_BY_THUNDER.items()
+    )
+
+
 def _thunders_backward_has_no_gradient(failure: Failure, backend: BackendSpec) -> bool:
-    """Whether plain Thunder's outputs require grad where cudagraphex's do not, and plain Thunder compiled the failing
-    call with a backward trace that returns no gradient: the cause :func:`_a_fusion_executor_agrees` shows, seen
-    directly, for programs that Thunder's torch.compile fusion executor cannot compile."""
+    """Whether plain Thunder connected an output to autograd where cudagraphex did not, and plain Thunder compiled the
+    failing call with a backward trace that returns no gradient: the cause :func:`_a_fusion_executor_agrees` shows,
+    seen directly, for programs that Thunder's torch.compile fusion executor cannot compile."""
     program = failure.program
-    if "reference True, cudagraphex False" not in failure.detail:
+    if not _connected_only_by_thunder(failure):
         return False
     try:
         ref = World(program, backend, None, compile_source(program, "reference"))
