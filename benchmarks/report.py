@@ -66,8 +66,8 @@ class Record:
     peak_mem_bytes: int | None = None
     #: Like ``peak_mem_bytes``, for memory reserved by the caching allocator (graph pools hold freed blocks there).
     peak_reserved_bytes: int | None = None
-    #: The peak of allocated memory over steady-state calls alone (after the setup: warm-up, captures, the check),
-    #: from the same base as ``peak_mem_bytes``.
+    #: The peak of allocated memory over steady-state calls alone (after the setup's warm-up and captures, before the
+    #: correctness check), from the same base as ``peak_mem_bytes``.
     steady_peak_mem_bytes: int | None = None
     setup_s: float | None = None
     correct: bool | None = None
