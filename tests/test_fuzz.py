@@ -173,6 +173,32 @@ def test_a_view_of_a_parameter_that_only_an_empty_thunder_backward_connects_is_e
     assert failure.excused.startswith("Thunder's grad transform finds no gradient")
 
 
+def test_a_forward_after_a_backward_that_eager_refuses_is_judged_by_eager():
+    """``v0[:, 0].mul_(2)`` writes relu's saved output in place: eager refuses the backward, which Thunder computes.
+    Plain Thunder drops the write from its forward's output; cudagraphex keeps it, as eager does at the next call,
+    which eager runs past its refused backward: excused. (Seed 10 draws a first input whose first column is negative,
+    so that the difference shows only after the refused backward.)"""
+    lines = [
+        Line("v0 = torch.relu(x0)", "v0", frozenset({"x0"}), False, "unary"),
+        Line("v0[:, 0].mul_(2)", None, frozenset({"v0"}), True, "inplace_intermediate"),
+    ]
+    program = Program(
+        seed=10,
+        module=False,
+        width=4,
+        batches=(2,),
+        tensors=[TensorSpec("x0", "BD", "x", requires_grad=True)],
+        lines=lines,
+        outputs=["v0"],
+        steps=[Step("call", Mode(), loss="now"), Step("call", Mode())],
+        position="first",
+        min_region_size=1,
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 1 and failure.symptom == "outN: values"
+    assert "eager refused an earlier backward" in failure.excused
+
+
 def test_a_write_that_only_plain_thunders_backward_reads_is_excused():
     """Plain Thunder moves ``v0.relu_()`` into its backward, which then saves ``x1`` and refuses the backward after
     ``x1`` is written; cudagraphex keeps the write in the forward and saves no ``x1``. Eager refuses an earlier

@@ -66,7 +66,8 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
     """Runs the program eagerly beside cudagraphex up to the failing step. When eager PyTorch agrees with
     cudagraphex on what failed (the same error or none; values within a tolerance, or to the last bit where the
     difference was within one; metadata only for random programs), plain Thunder is the one that differs, and the
-    failure is excused. An output that plain Thunder connects to autograd and cudagraphex does not (its requires_grad,
+    failure is excused; a backward that eager refused for a saved tensor written in place does not end the run there,
+    for a failure that is not about gradients (see :func:`_refused_backward`). An output that plain Thunder connects to autograd and cudagraphex does not (its requires_grad,
     its is_leaf) is excused also where Thunder with a fusion executor of its own agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`), or plain Thunder's backward for the call returns
     no gradient (:func:`_thunders_backward_has_no_gradient`); so is a backward that plain Thunder refuses for an
     input written after its forward, where cudagraphex's gradients do not depend on the write (see
@@ -120,6 +121,7 @@ def _eager_verdict(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor
     except Exception:  # noqa: BLE001 - no verdict
         return ""
     steps = program.steps[: failure.step + 1]
+    refused_backward = False
     for index, (e, c) in _lockstep(program, (eager, cgx), steps, seeded=not program.threads):
         if e.raised is not None and c.raised is None and _thunder_refuses_later(failure, e.raised):
             return (
@@ -127,7 +129,9 @@ def _eager_verdict(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor
                 " write in its backward and refuses a later backward, cudagraphex runs it in the forward"
             )
         if index < failure.step:
-            if e.raised is not None or c.raised is not None:
+            if c.raised is None and e.raised is not None and _refused_backward(failure, steps[index], e.raised):
+                refused_backward = True
+            elif e.raised is not None or c.raised is not None:
                 return ""
             continue
         if failure.label == "exception":  # the same error (type and message), or none
@@ -143,8 +147,28 @@ def _eager_verdict(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor
             values_only = failure.symptom.endswith(("values", "values (within a tolerance)"))
             same = compare_value(a, b, value_mode(failure.label, mode), values_only) is None
         if same:
-            return "plain Thunder differs from eager here, and cudagraphex agrees with eager"
+            return "plain Thunder differs from eager here, and cudagraphex agrees with eager" + (
+                " (eager refused an earlier backward, which read a tensor saved for it and written in place)"
+                if refused_backward
+                else ""
+            )
     return ""
+
+
+def _refused_backward(failure: Failure, step: Step, error: BaseException) -> bool:
+    """Whether eager's error at ``step`` is a refused backward that later steps can be judged past: a backward (a
+    step of its own, or a call's) that read a tensor saved for it and written in place, which Thunder's backward
+    computes, where the failure is not about gradients, which that refusal leaves eager without. A call whose
+    backward eager refused does not hold or write its outputs there, so a later step that depends on them differs
+    in eager, and gives no verdict."""
+    backward = step.action == "backward" or (step.action == "call" and step.loss in ("now", "retain"))
+    return (
+        backward
+        and not failure.program.whole_step
+        and _SAVED_TENSOR_WRITTEN in str(error)
+        and failure.label != "exception"
+        and not failure.label.startswith("grad of")
+    )
 
 
 def _write_not_read(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
