@@ -124,6 +124,8 @@ class GraphedRegion:
         self._calls_per_key: Counter[tuple] = Counter()
         self._missed: Counter[tuple] = Counter()
         self._miss_streaks: dict[int, tuple[int, int]] = {}
+        #: The addresses of the moved graph outputs and written inputs at the last call that missed.
+        self._last_miss: tuple = ()
         #: Per input signature, the addresses of the caller's tensors at its last warm-up call.
         self._warmup_addresses: dict[tuple, dict[int, int]] = {}
         self._warned_budget = False
@@ -213,10 +215,15 @@ class GraphedRegion:
         A parameter that moved, or a declared-static input (which the legacy API promised would not move), gets a new
         capture at once. A graph output or written input that moved is usually transient (its producer ran eagerly
         once): the call runs eagerly, the same addresses seen twice get a capture, and an input that misses on three
-        calls in a row without a replay in between is demoted to a copied input.
+        calls in a row without a replay in between is demoted to a copied input, unless it is where it was at the
+        last miss: its producer settled there (a new graph of the forward, say), and a graph reads it in place.
         """
         moved = min((c.moved(args) for c in candidates), key=len)
         progress = sum(inst.replays for inst in self.instances)
+        transient = tuple(
+            args[i].data_ptr() for i in moved if self.kinds[i] in (InputKind.GRAPH_OUTPUT, InputKind.MUTATED)
+        )
+        settled, self._last_miss = bool(transient) and transient == self._last_miss, transient
         unresolved = []
         for i in moved:
             kind = self.kinds[i]
@@ -229,6 +236,9 @@ class GraphedRegion:
             if kind in (InputKind.DECLARED, InputKind.CALLER):
                 self._demote(i)
             elif kind in (InputKind.GRAPH_OUTPUT, InputKind.MUTATED):
+                if settled:
+                    self._miss_streaks.pop(i, None)
+                    continue
                 streak, seen_at = self._miss_streaks.get(i, (0, progress))
                 streak = streak + 1 if seen_at == progress else 1
                 self._miss_streaks[i] = (streak, progress)

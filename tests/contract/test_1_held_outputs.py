@@ -8,8 +8,9 @@ import torch
 from thunder.extend import OperatorExecutor, register_executor
 
 from benchmarks.models import mlp
+from cudagraphex import explain
 from tests.contract.scenarios import Keeps, held_outputs_survive
-from tests.helpers import emulated, jit, protection_off, regions, replays
+from tests.helpers import assert_grads_close, emulated, jit, protection_off, regions, replays, twin
 
 
 def test_inference_loop_keeps_every_output(backend):
@@ -112,6 +113,35 @@ def test_tensor_that_is_none_at_run_time_passes_through_graphs(backend, keep_out
     assert ("nothing" in first.info.output_names) is produced_in_a_graph and "nothing" in second.info.input_names
     assert first.disabled_reason is None and second.disabled_reason is None
     assert replays(jf, ex) >= 4
+
+
+def test_a_training_output_held_across_later_calls_leaves_the_backward_reading_saved_tensors_in_place(backend):
+    """The held output makes the forward run eagerly once, then capture a graph of its own, whose saved tensors the
+    backward gets at new addresses from then on: the backward captures a graph that reads them there, rather than
+    copying them in at every call."""
+    torch.manual_seed(0)
+    model = mlp(2, 16).to(backend.device)
+    reference = twin(model)
+    jm = jit(model, backend.executor)
+
+    def call() -> torch.Tensor:
+        x = torch.randn(4, 16, device=backend.device)
+        out = jm(x)
+        out.sum().backward()
+        reference(x).sum().backward()
+        return out
+
+    for _ in range(3):
+        call()
+    held = call()
+    expected = held.detach().clone()
+    for _ in range(4):
+        call()
+    torch.testing.assert_close(held, expected)
+    assert_grads_close(model, reference)
+    forward, backward = explain(jm).regions
+    assert (forward.phase, len(forward.graphs), backward.phase, len(backward.graphs)) == ("forward", 2, "backward", 2)
+    assert backward.demoted_inputs == [] and backward.graphs[-1].replays >= 1
 
 
 def test_output_protection_bites():
