@@ -63,13 +63,14 @@ _MISSING = object()
 
 
 def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> None:
-    """Runs the program eagerly beside cudagraphex up to the failing step. When eager PyTorch agrees with
-    cudagraphex on what failed (the same error or none; values within a tolerance, or to the last bit where the
-    difference was within one; metadata only for random programs), plain Thunder is the one that differs, and the
-    failure is excused; a backward that eager refused for a saved tensor written in place does not end the run there,
-    for a failure that is not about gradients (see :func:`_refused_backward`). An output that plain Thunder connects to autograd and cudagraphex does not (its requires_grad,
-    its is_leaf) is excused also where Thunder with a fusion executor of its own agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`), or plain Thunder's backward for the call returns
-    no gradient (:func:`_thunders_backward_has_no_gradient`); so is a backward that plain Thunder refuses for an
+    """Runs the program eagerly beside cudagraphex up to the failing step. When eager PyTorch agrees with cudagraphex on
+    what failed (the same error or none; values within a tolerance, or to the last bit where the difference was within
+    one; metadata only for random programs), plain Thunder is the one that differs, and the failure is excused; a
+    backward that eager refused for a saved tensor written in place does not end the run there, for a failure that is
+    not about gradients (see :func:`_refused_backward`). An output that plain Thunder connects to autograd and
+    cudagraphex does not (its requires_grad, its is_leaf) is excused also where Thunder with a fusion executor of its
+    own agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`), or plain Thunder's backward for the call
+    returns no gradient (:func:`_thunders_backward_has_no_gradient`); so is a backward that plain Thunder refuses for an
     input written after its forward, where cudagraphex's gradients do not depend on the write (see
     :func:`_write_not_read`), and a write into a view of a leaf that requires grad, which eager refuses and cudagraphex
     runs as eager runs it through ``.detach()`` (see :func:`_leaf_written_through_a_view`)."""
