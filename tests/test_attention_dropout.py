@@ -59,13 +59,19 @@ def check_forward(out: torch.Tensor, training: bool) -> torch.Tensor:
 
 
 def train_call(jm, t: int = 16) -> torch.Tensor:
-    q, k, v = probe(t)
+    """A checked training call on fresh inputs; returns the mask of the weights dropout kept."""
+    return train_call_on(jm, *probe(t)).detach() != 0
+
+
+def train_call_on(jm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A checked training call (``v.grad`` reset first, so that inputs may be kept across calls); returns the output."""
+    v.grad = None
     out = jm(q, k, v)
-    kept = check_forward(out, training=True)
+    check_forward(out, training=True)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)
     check_backward(out, v, grad_out)
-    return kept
+    return out
 
 
 def eval_call(jm, t: int = 16) -> None:
@@ -147,26 +153,37 @@ def test_a_backward_after_a_forward_run_eagerly_for_a_held_output_captures_no_ne
     _, jm = jitted()
     q, k, v = probe()
 
-    def call() -> torch.Tensor:
-        v.grad = None
-        out = jm(q, k, v)
-        check_forward(out, training=True)
-        grad_out = torch.randn_like(out)
-        out.backward(grad_out)
-        check_backward(out, v, grad_out)
-        return out
-
     for _ in range(3):
-        call()
-    held = call()
-    call()  # its forward runs eagerly: ``held`` still references the forward graph's output
+        train_call_on(jm, q, k, v)
+    held = train_call_on(jm, q, k, v)
+    train_call_on(jm, q, k, v)  # its forward runs eagerly: ``held`` still references the forward graph's output
     del held
     for _ in range(3):
-        call()
+        train_call_on(jm, q, k, v)
     report = explain(jm)
     (backward,) = [r for r in report.regions if r.phase == "backward"]
     assert len(backward.graphs) == 1 and backward.eager_calls.get("static input moved") == 1
     assert sum(len(r.graphs) for r in report.regions) == 2
+
+
+def test_an_output_held_through_later_calls_leaves_the_backward_reading_saved_tensors_in_place():
+    # Held through every later call, the output makes the forward run eagerly once, then capture a graph of its own;
+    # the backward misses twice (the eager forward's saved tensors, then the new graph's) and captures a graph that
+    # reads the new graph's saved tensors where they are, rather than copying them in from then on.
+    _, jm = jitted()
+    q, k, v = probe()
+
+    for _ in range(3):
+        train_call_on(jm, q, k, v)
+    held = train_call_on(jm, q, k, v)
+    kept = held.detach().clone()
+    for _ in range(4):
+        train_call_on(jm, q, k, v)
+    torch.testing.assert_close(held.detach(), kept)
+    report = explain(jm)
+    (forward,) = [r for r in report.regions if r.phase == "forward"]
+    (backward,) = [r for r in report.regions if r.phase == "backward"]
+    assert len(forward.graphs) == 2 and len(backward.graphs) == 2 and backward.demoted_inputs == []
 
 
 def thunder_nanogpt(dropout: float):
