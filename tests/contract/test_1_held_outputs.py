@@ -123,9 +123,9 @@ def test_a_training_output_held_across_later_calls_leaves_the_backward_reading_s
     model = mlp(2, 16).to(backend.device)
     reference = twin(model)
     jm = jit(model, backend.executor)
+    x = torch.randn(4, 16, device=backend.device)  # one input tensor: a caller's tensor that moves is copied by design
 
     def call() -> torch.Tensor:
-        x = torch.randn(4, 16, device=backend.device)
         out = jm(x)
         out.sum().backward()
         reference(x).sum().backward()
