@@ -63,12 +63,15 @@ def train_call(jm, t: int = 16) -> torch.Tensor:
     return train_call_on(jm, *probe(t)).detach() != 0
 
 
-def train_call_on(jm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """A checked training call (``v.grad`` reset first, so that inputs may be kept across calls); returns the output."""
+def train_call_on(
+    jm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A checked training call (``v.grad`` reset first, so that inputs may be kept across calls); returns the output.
+    ``grad_out`` is the backward's cotangent, a fresh random one by default."""
     v.grad = None
     out = jm(q, k, v)
     check_forward(out, training=True)
-    grad_out = torch.randn_like(out)
+    grad_out = torch.randn_like(out) if grad_out is None else grad_out
     out.backward(grad_out)
     check_backward(out, v, grad_out)
     return out
@@ -148,18 +151,19 @@ def test_backward_that_runs_eagerly_after_a_replayed_forward():
 def test_a_backward_after_a_forward_run_eagerly_for_a_held_output_captures_no_new_graph():
     # An output held into the next call makes that call's forward run eagerly, which returns the RNG state in host
     # memory: its backward is a transient miss (the saved tensors moved too), not a new signature worth a graph. The
-    # same q, k, v every call: fresh ones would land elsewhere while the held output's autograd graph keeps the last
-    # ones alive, and a moved caller input costs a graph of its own.
+    # same q, k, v and cotangent every call: fresh ones may land elsewhere while the held output keeps memory in use,
+    # and a moved caller input costs a graph of its own.
     _, jm = jitted()
     q, k, v = probe()
+    grad_out = torch.randn_like(v)
 
     for _ in range(3):
-        train_call_on(jm, q, k, v)
-    held = train_call_on(jm, q, k, v)
-    train_call_on(jm, q, k, v)  # its forward runs eagerly: ``held`` still references the forward graph's output
+        train_call_on(jm, q, k, v, grad_out)
+    held = train_call_on(jm, q, k, v, grad_out)
+    train_call_on(jm, q, k, v, grad_out)  # its forward runs eagerly: ``held`` references the graph's output
     del held
     for _ in range(3):
-        train_call_on(jm, q, k, v)
+        train_call_on(jm, q, k, v, grad_out)
     report = explain(jm)
     (backward,) = [r for r in report.regions if r.phase == "backward"]
     assert len(backward.graphs) == 1 and backward.eager_calls.get("static input moved") == 1
@@ -169,16 +173,18 @@ def test_a_backward_after_a_forward_run_eagerly_for_a_held_output_captures_no_ne
 def test_an_output_held_through_later_calls_leaves_the_backward_reading_saved_tensors_in_place():
     # Held through every later call, the output makes the forward run eagerly once, then capture a graph of its own;
     # the backward misses twice (the eager forward's saved tensors, then the new graph's) and captures a graph that
-    # reads the new graph's saved tensors where they are, rather than copying them in from then on.
+    # reads the new graph's saved tensors where they are, rather than copying them in from then on. One cotangent, as
+    # above.
     _, jm = jitted()
     q, k, v = probe()
+    grad_out = torch.randn_like(v)
 
     for _ in range(3):
-        train_call_on(jm, q, k, v)
-    held = train_call_on(jm, q, k, v)
+        train_call_on(jm, q, k, v, grad_out)
+    held = train_call_on(jm, q, k, v, grad_out)
     kept = held.detach().clone()
     for _ in range(4):
-        train_call_on(jm, q, k, v)
+        train_call_on(jm, q, k, v, grad_out)
     torch.testing.assert_close(held.detach(), kept)
     report = explain(jm)
     (forward,) = [r for r in report.regions if r.phase == "forward"]
