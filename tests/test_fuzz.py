@@ -267,3 +267,34 @@ def test_a_write_into_a_view_of_a_leaf_that_requires_grad_is_excused_where_eager
     (failure,) = check(program).failures
     assert failure.symptom == "input NAME after the call: values"
     assert "made through .detach()" in failure.excused
+
+
+def test_a_write_through_contiguous_into_a_leaf_that_requires_grad_is_excused_where_eager_through_detach_agrees():
+    """For a transposed ``x0``, ``x0.transpose(0, 1).contiguous()`` returns ``x0.t()`` itself, so eager refuses
+    ``v0.add_(v0)`` into a view of the leaf ``x0``. Thunder takes the result of ``contiguous`` for a new tensor: plain
+    Thunder drops the write, cudagraphex writes ``x0`` as eager does with the write made through ``.detach()``:
+    excused."""
+    lines = [
+        Line("v0 = x0.transpose(0, 1).contiguous().transpose(0, 1)", "v0", frozenset({"x0"}), False, "view"),
+        Line("v0.add_(v0)", None, frozenset({"v0"}), True, "inplace_intermediate"),
+        Line("v1 = F.embedding(t0, self.e0)", "v1", frozenset({"t0", "self.e0"}), False, "embedding"),
+    ]
+    program = Program(
+        seed=0,
+        module=True,
+        width=6,
+        batches=(3,),
+        tensors=[
+            TensorSpec("x0", "BD", "x", requires_grad=True),
+            TensorSpec("t0", "T", "tokens"),
+            TensorSpec("e0", "VD", "param", requires_grad=True, init="torch.randn(vocab, d)"),
+        ],
+        lines=lines,
+        outputs=["v1"],
+        steps=[Step("call", Mode(), layout="transposed")],
+        position="first",
+        min_region_size=2,
+    )
+    (failure,) = check(program).failures
+    assert failure.symptom == "input NAME after the call: values"
+    assert "made through .detach()" in failure.excused

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import warnings
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from thunder.core.pytree import tree_flatten
 
 from cudagraphex import CUDAGraphExecutor
 from tests.fuzzing.compare import Failure, compare_step, compare_value, normalise, value_mode
-from tests.fuzzing.programs import Program, Step
+from tests.fuzzing.programs import Line, Program, Step
 from tests.fuzzing.world import BACKENDS, BackendSpec, World, compile_source, derived_seed, executor
 
 
@@ -225,20 +226,21 @@ def _leaf_written_through_a_view(failure: Failure, backend: BackendSpec, ex: CUD
     """Why cudagraphex and plain Thunder differ on a program that writes in place into a view of a leaf that requires
     grad; empty for no verdict.
 
-    Eager refuses the write. Thunder 0.2.6 checks only the write's target, which is a view here, so neither Thunder
-    path refuses it; plain Thunder drops the write (as it does for a leaf that requires no grad, where eager writes).
-    The verdict needs eager to refuse the program at the failing step, and the program with each such write made
-    through ``.detach()`` to run eagerly as cudagraphex runs the original, up to that step.
+    Eager refuses the write. Thunder 0.2.6 checks only the write's target, which is a view here (or what
+    ``x.t().contiguous().t()`` returns for a transposed ``x``: ``contiguous`` returns ``x.t()`` itself, which Thunder
+    takes for a new tensor), so neither Thunder path refuses it; plain Thunder drops the write (as it does for a leaf
+    that requires no grad, where eager writes). The verdict needs eager to refuse the program at the failing step,
+    and the program with each write that may reach such a leaf made through ``.detach()`` to run eagerly as
+    cudagraphex runs the original, up to that step.
     """
     program = failure.program
-    if failure.label == "exception" or "write_grad_leaf" not in program.categories:
+    writes = [ln for ln in program.lines if _may_write_a_grad_leaf(program, ln)]
+    if failure.label == "exception" or not writes:
         return ""
     through_detach = dataclasses.replace(
         program,
         lines=[
-            dataclasses.replace(ln, text=ln.text.replace(".mul_(", ".detach().mul_(", 1))
-            if ln.category == "write_grad_leaf"
-            else ln
+            dataclasses.replace(ln, text=re.sub(r"^(\w+)", r"\1.detach()", ln.text, count=1)) if ln in writes else ln
             for ln in program.lines
         ],
     )
@@ -264,6 +266,19 @@ def _leaf_written_through_a_view(failure: Failure, backend: BackendSpec, ex: CUD
         " a view, so neither Thunder path refuses it: cudagraphex computes what eager computes with the write made"
         " through .detach(), plain Thunder drops the write"
     )
+
+
+def _may_write_a_grad_leaf(program: Program, line: Line) -> bool:
+    """Whether ``line`` writes in place into an input that requires grad, or into a chain of views of one."""
+    if line.category == "write_grad_leaf":
+        return True
+    if line.category != "inplace_intermediate":
+        return False
+    definitions = {ln.defines: ln for ln in program.lines if ln.defines}
+    name = re.match(r"\w+", line.text).group()
+    while name in definitions and definitions[name].category == "view" and len(definitions[name].uses) == 1:
+        (name,) = definitions[name].uses
+    return any(t.name == name and t.requires_grad for t in program.inputs)
 
 
 def _a_fusion_executor_agrees(
