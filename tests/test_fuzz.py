@@ -5,9 +5,9 @@ See :mod:`tests.fuzzing`. A failure prints each failing seed with its program an
 where plain Thunder is the one that departs from eager PyTorch, and cudagraphex agrees with eager, are listed but not
 counted; so are outputs left out of autograd (requires_grad, is_leaf) as they are with Thunder's own torch.compile
 fusion executor, or where plain Thunder's backward for the call returns no gradient, and backwards that plain Thunder
-refuses for an input written after the forward where cudagraphex's gradients do not depend on the write, and writes
+refuses for an input written after the forward where cudagraphex's gradients do not depend on the write, writes
 into a view of a leaf that requires grad, which eager refuses and cudagraphex runs as eager runs them through
-``.detach()``.
+``.detach()``, and whole steps whose cotangents plain Thunder makes from outputs it writes only in its backward.
 """
 
 from __future__ import annotations
@@ -298,3 +298,34 @@ def test_a_write_through_contiguous_into_a_leaf_that_requires_grad_is_excused_wh
     (failure,) = check(program).failures
     assert failure.symptom == "input NAME after the call: values"
     assert "made through .detach()" in failure.excused
+
+
+def test_a_whole_step_whose_cotangents_plain_thunder_makes_before_a_forward_write_is_excused():
+    """Plain Thunder moves ``v0[:, 0].mul_(2)`` into its backward, so the step makes its cotangent (the output's
+    cosine) from an output without the write, and its SGD step differs; eager and cudagraphex return the output
+    written, and with cotangents of ones both Thunder paths agree: excused."""
+    lines = [
+        Line("v0 = F.linear(x0, self.w0, self.p0)", "v0", frozenset({"x0", "self.w0", "self.p0"}), False, "linear"),
+        Line("v0[:, 0].mul_(2)", None, frozenset({"v0"}), True, "inplace_intermediate"),
+    ]
+    program = Program(
+        seed=0,
+        module=True,
+        width=6,
+        batches=(2,),
+        tensors=[
+            TensorSpec("x0", "BD", "x"),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+            TensorSpec("p0", "D", "param", requires_grad=True, init="torch.randn(d) * 0.5"),
+        ],
+        lines=lines,
+        outputs=["v0"],
+        steps=[Step("call", Mode(), loss="now", form="direct")],
+        position="last",
+        min_region_size=1,
+        whole_step=True,
+        optimizer="sgd",
+    )
+    (failure,) = check(program).failures
+    assert failure.symptom == "state NAME: values"
+    assert "cotangents of ones both Thunder paths agree" in failure.excused

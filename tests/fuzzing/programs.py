@@ -115,6 +115,8 @@ class Program:
     whole_step: bool = False
     #: What a whole step ends with: "none", "sgd" or "momentum" (an SGD step over the trainable parameters).
     optimizer: str = "none"
+    #: A whole step's cotangent of each output: "cos" (of the output as the forward left it) or "ones".
+    cotangents: str = "cos"
     #: A serving step with batch-size buckets (see ``as_bucketed_steps``).
     bucketed: bool = False
 

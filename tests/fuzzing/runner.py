@@ -17,7 +17,7 @@ from thunder.core.pytree import tree_flatten
 from cudagraphex import CUDAGraphExecutor
 from tests.fuzzing.compare import Failure, compare_step, compare_value, normalise, value_mode
 from tests.fuzzing.programs import Line, Program, Step
-from tests.fuzzing.world import BACKENDS, BackendSpec, World, compile_source, derived_seed, executor
+from tests.fuzzing.world import BACKENDS, BackendSpec, Observations, World, compile_source, derived_seed, executor
 
 
 @dataclass
@@ -73,8 +73,10 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
     own agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`), or plain Thunder's backward for the call
     returns no gradient (:func:`_thunders_backward_has_no_gradient`); so is a backward that plain Thunder refuses for an
     input written after its forward, where cudagraphex's gradients do not depend on the write (see
-    :func:`_write_not_read`), and a write into a view of a leaf that requires grad, which eager refuses and cudagraphex
-    runs as eager runs it through ``.detach()`` (see :func:`_leaf_written_through_a_view`)."""
+    :func:`_write_not_read`), a write into a view of a leaf that requires grad, which eager refuses and cudagraphex
+    runs as eager runs it through ``.detach()`` (see :func:`_leaf_written_through_a_view`), and a whole step whose
+    cotangents plain Thunder makes from outputs it writes only in its backward (see
+    :func:`_cotangents_of_an_unwritten_output`)."""
     program = failure.program
     if failure.symptom.startswith("raises only without cudagraphex") and _THUNDER_FUNCTION_VIEW in failure.symptom:
         failure.excused = (
@@ -88,6 +90,7 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
         _eager_verdict(failure, backend, ex)
         or _write_not_read(failure, backend, ex)
         or _leaf_written_through_a_view(failure, backend, ex)
+        or _cotangents_of_an_unwritten_output(failure, backend, ex)
     )
     if not failure.excused and _connected_only_by_thunder(failure):
         no_gradient = (
@@ -266,6 +269,52 @@ def _leaf_written_through_a_view(failure: Failure, backend: BackendSpec, ex: CUD
         " a view, so neither Thunder path refuses it: cudagraphex computes what eager computes with the write made"
         " through .detach(), plain Thunder drops the write"
     )
+
+
+def _cotangents_of_an_unwritten_output(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
+    """Why a whole step differs, where plain Thunder moves an in-place write of the forward into its backward; empty
+    for no verdict.
+
+    A whole step makes each cotangent from its output (its cosine) between the forward and the backward; without a
+    fusion executor, plain Thunder returns the output before the write and makes it in the backward, so its
+    cotangents, gradients and optimizer step differ. The verdict needs the failing step's forward alone to give what
+    eager gives with cudagraphex and something else with plain Thunder, and both Thunder paths to agree up to the
+    failing step with cotangents of ones.
+    """
+    program = failure.program
+    steps = program.steps[: failure.step + 1]
+    if not program.whole_step or failure.label == "exception" or steps[-1].action != "call" or steps[-1].loss == "none":
+        return ""
+    forward_only = [*steps[:-1], dataclasses.replace(steps[-1], loss="none")]
+    ones = dataclasses.replace(program, cotangents="ones")
+    try:
+        tags = {"eager": "eager", None: "plain Thunder", ex: "cudagraphex"}
+        worlds = [World(program, backend, w, compile_source(program, tag)) for w, tag in tags.items()]
+        thunder_ones = World(ones, backend, None, compile_source(ones, "plain Thunder, cotangents of ones"))
+        cgx_ones = World(ones, backend, ex, compile_source(ones, "cudagraphex, cotangents of ones"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return ""
+    for index, observed in _lockstep(program, worlds, forward_only, seeded=not program.threads):
+        if any(o.raised is not None for o in observed):
+            return ""
+    eager, plain, cgx = (_outputs(o) for o in observed)
+    if compare_step(program, backend, index, eager, cgx) or not compare_step(program, backend, index, plain, cgx):
+        return ""
+    for index, (t, c) in _lockstep(program, (thunder_ones, cgx_ones), steps, seeded=not program.threads):
+        if t.raised is not None or c.raised is not None or compare_step(program, backend, index, t, c):
+            return ""
+    return (
+        "plain Thunder moves an in-place write of the forward into its backward, so a whole step makes its cotangents"
+        " from outputs that miss it, where eager and cudagraphex have it; with cotangents of ones both Thunder paths"
+        " agree"
+    )
+
+
+def _outputs(observed: Observations) -> Observations:
+    """The outputs among ``observed``."""
+    outputs = Observations()
+    outputs.items = [(label, value) for label, value in observed.items if label.startswith("out")]
+    return outputs
 
 
 def _may_write_a_grad_leaf(program: Program, line: Line) -> bool:

@@ -239,7 +239,7 @@ class World:
         detached, as a step must."""
         outs = list(self.fn(*inputs, *self.fn_params.values()))
         pairs = [
-            (o, o.detach().cos())
+            (o, o.detach().cos() if self.program.cotangents == "cos" else torch.ones_like(o))
             for o in outs
             if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()
         ]
