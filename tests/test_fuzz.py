@@ -329,3 +329,31 @@ def test_a_whole_step_whose_cotangents_plain_thunder_makes_before_a_forward_writ
     (failure,) = check(program).failures
     assert failure.symptom == "state NAME: values"
     assert "cotangents of ones both Thunder paths agree" in failure.excused
+
+
+def test_a_write_into_a_view_of_a_leaf_in_a_random_program_is_judged_on_what_failed():
+    """As above, in a program that draws a dropout mask, which eager draws differently from Thunder: the write made
+    through ``.detach()`` gives eager's ``x0`` what cudagraphex gives it (``reshape(-1)`` of the strided ``x0`` is a
+    view), and the verdict compares that observation alone: excused."""
+    lines = [
+        Line("v0 = F.dropout(x1, p=0.5, training=True)", "v0", frozenset({"x1"}), True, "dropout"),
+        Line("v1 = x0.reshape(-1).view(x0.shape)", "v1", frozenset({"x0"}), False, "view"),
+        Line("v1.mul_(2)", None, frozenset({"v1"}), True, "write_grad_leaf"),
+        Line("v2 = torch.tanh(v0)", "v2", frozenset({"v0"}), False, "unary"),
+    ]
+    program = Program(
+        seed=0,
+        module=False,
+        width=4,
+        batches=(4,),
+        tensors=[TensorSpec("x0", "BD", "x", requires_grad=True), TensorSpec("x1", "BD", "x", requires_grad=True)],
+        lines=lines,
+        outputs=["v2"],
+        steps=[Step("call", Mode(), layout="strided")],
+        position="last",
+        min_region_size=1,
+    )
+    assert program.random
+    (failure,) = check(program).failures
+    assert failure.symptom == "input NAME after the call: values"
+    assert "made through .detach()" in failure.excused
