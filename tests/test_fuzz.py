@@ -143,6 +143,32 @@ def test_requires_grad_under_no_grad_that_only_an_empty_thunder_backward_gives_i
     assert "backward trace for this call returns no gradient" in failure.excused
 
 
+def test_requires_grad_that_only_a_failing_empty_thunder_backward_gives_is_excused():
+    """``contiguous`` copies the transposed ``x0``; Thunder's grad transform finds no gradient for ``v0.sub_(...)``,
+    and plain Thunder connects ``v0`` to autograd through a backward that returns none and fails an assertion when the
+    call's loss runs it. That backward trace shows the cause though plain Thunder raises at the step: excused."""
+    lines = [
+        Line("v0 = x0.transpose(0, 1).contiguous().transpose(0, 1)", "v0", frozenset({"x0"}), False, "view"),
+        Line("s0[0].add_(1)", None, frozenset({"s0"}), True, "write_input"),
+        Line("v0.sub_(x0.detach())", None, frozenset({"v0", "x0"}), True, "inplace_intermediate"),
+    ]
+    program = Program(
+        seed=0,
+        module=False,
+        width=4,
+        batches=(3,),
+        tensors=[TensorSpec("x0", "BD", "x", requires_grad=True), TensorSpec("s0", "D", "state")],
+        lines=lines,
+        outputs=["v0"],
+        steps=[Step("call", Mode(), loss="retain")],
+        position="last",
+        min_region_size=2,
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 0 and failure.symptom == "outN: requires_grad"
+    assert "backward trace for this call returns no gradient" in failure.excused
+
+
 def test_a_view_of_a_parameter_that_only_an_empty_thunder_backward_connects_is_excused():
     """Thunder's grad transform finds no gradient for ``self.w0[0]`` after ``self.w0.mul_(0.99)`` under ``no_grad``
     (eager has one). Plain Thunder connects the output only because it moves the dead write into ``x0``'s alias into a

@@ -383,7 +383,8 @@ def _connected_only_by_thunder(failure: Failure) -> bool:
 def _thunders_backward_has_no_gradient(failure: Failure, backend: BackendSpec) -> bool:
     """Whether plain Thunder connected an output to autograd where cudagraphex did not, and plain Thunder compiled the
     failing call with a backward trace that returns no gradient: the cause :func:`_a_fusion_executor_agrees` shows,
-    seen directly, for programs that Thunder's torch.compile fusion executor cannot compile."""
+    seen directly, for programs that Thunder's torch.compile fusion executor cannot compile. Plain Thunder may raise
+    at the failing step (running such a backward, it can fail an assertion), not before it."""
     program = failure.program
     if not _connected_only_by_thunder(failure):
         return False
@@ -393,7 +394,7 @@ def _thunders_backward_has_no_gradient(failure: Failure, backend: BackendSpec) -
         return False
     misses = 0
     for index, (r,) in _lockstep(program, (ref,), program.steps[: failure.step + 1], seeded=not program.threads):
-        if r.raised is not None:
+        if r.raised is not None and index < failure.step:
             return False
         if index == failure.step:
             traces = thunder.last_backward_traces(ref.fn)
