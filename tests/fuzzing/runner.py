@@ -144,13 +144,10 @@ def _eager_verdict(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor
             if same and e.raised is not None:
                 same = type(e.raised) is type(c.raised) and _gist(e.raised) == _gist(c.raised)
         else:
-            a, b = dict(e.items).get(failure.label, _MISSING), dict(c.items).get(failure.label, _MISSING)
-            if a is _MISSING or b is _MISSING:
-                return ""
             # a difference within a tolerance is Thunder's only where eager and cudagraphex agree to the last bit
             mode = "meta" if program.random else "exact" if failure.nearly_equal else "close"
             values_only = failure.symptom.endswith(("values", "values (within a tolerance)"))
-            same = compare_value(a, b, value_mode(failure.label, mode), values_only) is None
+            same = _observed_alike(failure, e, c, value_mode(failure.label, mode), values_only)
         if same:
             return "plain Thunder differs from eager here, and cudagraphex agrees with eager" + (
                 " (eager refused an earlier backward, which read a tensor saved for it and written in place)"
@@ -266,10 +263,9 @@ def _leaf_written_through_a_view(failure: Failure, backend: BackendSpec, ex: CUD
             return ""
         if not program.random and compare_step(program, backend, index, d, c):
             return ""
-    if program.random:  # eager draws other numbers than Thunder: the failing observation alone, which must agree
-        a, b = dict(d.items).get(failure.label, _MISSING), dict(c.items).get(failure.label, _MISSING)
-        if a is _MISSING or b is _MISSING or compare_value(a, b, value_mode(failure.label, "close")):
-            return ""
+    # eager draws other numbers than Thunder: in a random program, the failing observation alone, which must agree
+    if program.random and not _observed_alike(failure, d, c, value_mode(failure.label, "close")):
+        return ""
     return (
         "eager refuses an in-place write into a view of a leaf that requires grad; Thunder checks the write's target,"
         " a view, so neither Thunder path refuses it: cudagraphex computes what eager computes with the write made"
@@ -361,9 +357,14 @@ def _a_fusion_executor_agrees(
         if f.raised is not None or c.raised is not None:
             return False
         if index == failure.step:
-            a, b = dict(f.items).get(failure.label, _MISSING), dict(c.items).get(failure.label, _MISSING)
-            return a is not _MISSING and b is not _MISSING and compare_value(a, b, mode) is None
+            return _observed_alike(failure, f, c, mode)
     return False
+
+
+def _observed_alike(failure: Failure, a: Observations, b: Observations, mode: str, values_only: bool = False) -> bool:
+    """Whether two worlds observed what failed alike (:func:`compare_value` in ``mode``); False where one did not."""
+    x, y = dict(a.items).get(failure.label, _MISSING), dict(b.items).get(failure.label, _MISSING)
+    return x is not _MISSING and y is not _MISSING and compare_value(x, y, mode, values_only) is None
 
 
 #: How an output's metadata shows that plain Thunder connected it to autograd and cudagraphex did not.
