@@ -229,6 +229,7 @@ class CUDAGraphExecutor(FusionExecutor):
         # Thunder hands back every fusion of a trace in order; one that was not handed back before this one was
         # removed from the trace (rematerialization can leave a producer with nothing left to return).
         earlier = [graphs.fusions[n] for n in fusion.earlier if graphs.fusions[n].tick > fusion.tick]
+        removed = [graphs.fusions[n].spec for n in fusion.earlier if graphs.fusions[n].tick <= fusion.tick]
         handed_back = [unvariableify(x) for x in region.outputs]
         members, inputs, outputs = refused_rematerialization(
             spec,
@@ -237,6 +238,7 @@ class CUDAGraphExecutor(FusionExecutor):
             handed_back,
             [producer.spec for producer in earlier],
             _fused_by(fusion.inner),
+            removed,
         )
         input_names = {p.name for p in inputs}
         output_names = {p.name for p in outputs}

@@ -93,6 +93,37 @@ def test_training_calls_with_in_place_writes_match_eager(backend, position, fn):
     assert replays(jf, backend.executor) >= 2
 
 
+class CacheWrittenThenRead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(6, 6))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.index_copy_(0, pos, x.detach())
+        scale = self.cache[: x.shape[0]].mean().item()
+        scaled = x * scale
+        return self.cache.index_select(0, pos), scaled
+
+
+def test_training_with_a_backward_graph_that_recomputes_from_one_thunder_removed(backend):
+    # The backward's product with the host value of .item() stays out of graphs and splits the backward in two;
+    # rematerialization makes the second graph recompute what the first computed (zeros among it), and Thunder removes
+    # the first and drops zeros from the second: it is put back.
+    model = CacheWrittenThenRead().to(backend.device)
+    reference = CacheWrittenThenRead().to(backend.device)
+    jm = jit(model, backend.executor)
+    for _ in range(4):
+        x = torch.randn(3, 6, device=backend.device, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        pos = torch.randperm(6, device=backend.device)[:3]
+        (rows, scaled), (rows_ref, scaled_ref) = jm(x, pos), reference(x_ref, pos)
+        torch.testing.assert_close((rows, scaled, model.cache), (rows_ref, scaled_ref, reference.cache))
+        scaled.sum().backward()
+        scaled_ref.sum().backward()
+        torch.testing.assert_close(x.grad, x_ref.grad)
+    assert replays(jm, backend.executor) >= 2
+
+
 @pytest.mark.parametrize("position", POSITIONS)
 @pytest.mark.parametrize("model_name", ["mlp", "gpt", "conv_bn"])
 def test_training_matches_eager(backend, position, model_name):

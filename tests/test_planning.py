@@ -209,13 +209,28 @@ def test_refused_rematerialization_never_reads_what_no_graph_returns():
 
 
 def test_rematerialization_never_loses_a_member_without_inputs():
-    # Thunder rebuilds a rematerialized consumer through a topological sort that drops symbols without tensor inputs
-    # (zeros); the region would read an unbound name. The planned member is put back before its first reader.
+    # Thunder's dead-code elimination drops a fusion's members that are not prims and have no subsymbols (zeros); the
+    # region would read an unbound name. The planned member is put back before its first reader.
     trace = thunder.trace()(lambda x: ltorch.zeros(3, device=x.device, dtype=x.dtype) + x.exp(), torch.randn(3))
     zeros, exp, add = (b for b in trace.bound_symbols if b.sym.name in ("zeros", "exp", "add"))
     x = exp.args[0]
     planned = RegionSpec([zeros, exp, add], [x], [add.output], "cpu", "backward")
     members, inputs, outputs = refused_rematerialization(planned, [exp, add], [x], [add.output], [], lambda b: False)
+    assert (members, inputs, outputs) == ([exp, zeros, add], [x], [add.output])
+
+
+def test_rematerialization_restores_what_a_consumer_recomputes_from_a_producer_thunder_removed():
+    # The consumer planned to read z = zeros from a producer graph; rematerialization makes it recompute z, and Thunder
+    # removes the producer, whose outputs nobody reads any more, and drops zeros from the consumer: it comes back from
+    # the removed producer's members.
+    trace = thunder.trace()(lambda x: ltorch.zeros(3, device=x.device, dtype=x.dtype) + x.exp(), torch.randn(3))
+    zeros, exp, add = (b for b in trace.bound_symbols if b.sym.name in ("zeros", "exp", "add"))
+    x, z = exp.args[0], zeros.output
+    producer = RegionSpec([zeros], [], [z], "cpu", "backward")
+    consumer = RegionSpec([exp, add], [z, x], [add.output], "cpu", "backward")
+    members, inputs, outputs = refused_rematerialization(
+        consumer, [exp, add], [x], [add.output], [], lambda b: False, removed=[producer]
+    )
     assert (members, inputs, outputs) == ([exp, zeros, add], [x], [add.output])
 
 

@@ -19,6 +19,7 @@ def refused_rematerialization(
     outputs: list[TensorProxy],
     earlier: Collection[RegionSpec],
     fused: Callable[[BoundSymbol], bool],
+    removed: Collection[RegionSpec] = (),
 ) -> tuple[list[BoundSymbol], list[TensorProxy], list[TensorProxy]]:
     """The members, inputs and outputs of a region that Thunder's rematerialization handed back changed, with the
     changes undone where the recomputation it asks for would not be fused.
@@ -34,6 +35,8 @@ def refused_rematerialization(
         members, inputs, outputs: the region as the rematerializing pass handed it back.
         earlier: the regions before this one in its trace, as last built: the producers it may read from.
         fused: whether an executor that lowers the region fuses a bound symbol into a larger kernel.
+        removed: the regions before this one that Thunder's dead-code elimination removed from the trace, as last
+            built: a consumer may recompute from their members.
 
     As a producer, the region keeps its planned outputs, and returns no cut, unless every op computing the tensors it
     stopped returning is fused: a graph output nobody reads would hold its memory for as long as the graph lives. As
@@ -51,7 +54,8 @@ def refused_rematerialization(
     computing = [b for b in (*members, *planned.bound_symbols) if any(p.name in dropped for p in b.flat_proxy_outs)]
     if dropped and not all(map(fused, computing)):
         outputs = list(planned.outputs)
-    members = _restore_lost_members(planned.bound_symbols, members, {p.name for p in inputs}, outputs)
+    recomputable = [*(b for spec in removed for b in spec.bound_symbols), *planned.bound_symbols]
+    members = _restore_lost_members(recomputable, members, {p.name for p in inputs}, outputs)
     # A kept recomputation may read what an earlier graph returns though neither version of this region read it.
     candidates = (*inputs, *planned.inputs, *(p for spec in earlier for p in spec.outputs))
     planned_members = {id(b) for b in planned.bound_symbols}
@@ -93,11 +97,12 @@ def _inputs_read(members: list[BoundSymbol], candidates: Iterable[TensorProxy]) 
 def _restore_lost_members(
     planned: list[BoundSymbol], members: list[BoundSymbol], inputs: Collection[str], outputs: Iterable[TensorProxy]
 ) -> list[BoundSymbol]:
-    """``members`` with the planned members put back that produce what the region reads or returns but neither
-    produces nor receives. Thunder rebuilds a rematerialized consumer through a topological sort from its outputs that
-    loses symbols without tensor inputs (``zeros`` in a backward), and drops the members of a producer that computed
-    outputs it stopped returning, which a refused rematerialization returns again. Each one put back goes right before
-    the first member that reads what it produces."""
+    """``members`` with the ``planned`` symbols (in trace order) put back that produce what the region reads or
+    returns but neither produces nor receives. Thunder's dead-code elimination drops a fusion's members that are not
+    prims and have no subsymbols (``zeros`` in a backward), also from what a consumer recomputes from a producer it
+    then removes; and it drops the members of a producer that computed outputs it stopped returning, which a refused
+    rematerialization returns again. Each one put back goes right before the first member that reads what it
+    produces."""
     produced = {p.name for b in members for p in b.flat_proxy_outs}
     wanted = {p.name for b in members for p in b.flat_proxy_args} | {p.name for p in outputs}
     missing = wanted - produced - set(inputs)
