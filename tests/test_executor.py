@@ -93,6 +93,27 @@ def test_training_calls_with_in_place_writes_match_eager(backend, position, fn):
     assert replays(jf, backend.executor) >= 2
 
 
+def write_after_item(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    scaled = x * x.mean().item()
+    x[0].add_(1)
+    return scaled * k
+
+
+def test_an_in_place_write_whose_output_nothing_reads_stays_in_its_graph(backend):
+    # The second graph's input comes from a symbol left out of graphs, whose output is renamed when it is lowered:
+    # Thunder hands the graph back with copies of its members, add_ among them, whose output nothing reads. A copy
+    # of a planned member is planned, not a recomputation to drop.
+    jf = jit(write_after_item, backend.executor)
+    for _ in range(4):
+        x, k = torch.randn(2, 4, device=backend.device), torch.tensor(0.7, device=backend.device)
+        expected_x = x.clone()
+        expected = write_after_item(expected_x, k)
+        with torch.no_grad():
+            out = jf(x, k)
+        torch.testing.assert_close((out, x), (expected, expected_x))
+    assert replays(jf, backend.executor) >= 2
+
+
 class CacheWrittenThenRead(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -58,8 +58,8 @@ def refused_rematerialization(
     members = _restore_lost_members(recomputable, members, {p.name for p in inputs}, outputs)
     # A kept recomputation may read what an earlier graph returns though neither version of this region read it.
     candidates = (*inputs, *planned.inputs, *(p for spec in earlier for p in spec.outputs))
-    planned_members = {id(b) for b in planned.bound_symbols}
-    if all(id(b) in planned_members for b in members):
+    planned_members = {_identity(b) for b in planned.bound_symbols}
+    if all(_identity(b) in planned_members for b in members):
         return members, _inputs_read(members, candidates), outputs
 
     produced_earlier = {p.name for spec in earlier for b in spec.bound_symbols for p in b.flat_proxy_outs}
@@ -69,7 +69,7 @@ def refused_rematerialization(
     kept: list[BoundSymbol] = []
     for bsym in reversed(members):
         wanted = {p.name for p in bsym.flat_proxy_outs} & needed
-        if id(bsym) not in planned_members and wanted <= available:
+        if _identity(bsym) not in planned_members and wanted <= available:
             continue
         kept.append(bsym)
         needed |= {p.name for p in bsym.flat_proxy_args}
@@ -81,6 +81,13 @@ def refused_rematerialization(
             f"cudagraphex: after rematerialization a graph would read {missing}, which no earlier graph returns"
         )
     return kept, _inputs_read(kept, candidates), outputs
+
+
+def _identity(bsym: BoundSymbol) -> tuple:
+    """What a member is across the copies Thunder makes of it when it renames a region's inputs: its symbol and the
+    names of its outputs. A copy of a planned member is planned, even one whose outputs nothing reads (an in-place
+    write)."""
+    return bsym.sym.id, tuple(p.name for p in bsym.flat_proxy_outs)
 
 
 def _inputs_read(members: list[BoundSymbol], candidates: Iterable[TensorProxy]) -> list[TensorProxy]:
