@@ -225,6 +225,38 @@ def test_a_forward_after_a_backward_that_eager_refuses_is_judged_by_eager():
     assert "eager refused an earlier backward" in failure.excused
 
 
+def test_a_whole_step_after_one_whose_backward_eager_refuses_is_judged_by_eager():
+    """``x1[0].add_(1)`` writes the input that ``F.linear`` saves for ``w0``'s gradient: eager refuses the first
+    step's backward, which Thunder computes. Plain Thunder moves the write into its backward, so the second step,
+    without a backward, leaves ``x1`` unwritten; cudagraphex writes it, as eager does at that step, which eager runs
+    past its refused backward (no optimizer step is skipped): excused."""
+    lines = [
+        Line("v0 = F.linear(x1, self.w0, self.p0)", "v0", frozenset({"x1", "self.w0", "self.p0"}), False, "linear"),
+        Line("x1[0].add_(1)", None, frozenset({"x1"}), True, "write_input"),
+    ]
+    program = Program(
+        seed=0,
+        module=False,
+        width=6,
+        batches=(4,),
+        tensors=[
+            TensorSpec("x1", "BD", "state"),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+            TensorSpec("p0", "D", "param", init="torch.randn(d) * 0.5"),
+        ],
+        lines=lines,
+        outputs=["v0"],
+        steps=[Step("call", Mode(), loss="now", form="direct"), Step("call", Mode())],
+        position="last",
+        min_region_size=1,
+        whole_step=True,
+        optimizer="none",
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 1 and failure.symptom == "input NAME after the call: values"
+    assert "eager refused an earlier backward" in failure.excused
+
+
 def test_a_write_that_only_plain_thunders_backward_reads_is_excused():
     """Plain Thunder moves ``v0.relu_()`` into its backward, which then saves ``x1`` and refuses the backward after
     ``x1`` is written; cudagraphex keeps the write in the forward and saves no ``x1``. Eager refuses an earlier

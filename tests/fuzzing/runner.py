@@ -162,11 +162,12 @@ def _refused_backward(failure: Failure, step: Step, error: BaseException) -> boo
     step of its own, or a call's) that read a tensor saved for it and written in place, which Thunder's backward
     computes, where the failure is not about gradients, which that refusal leaves eager without. A call whose
     backward eager refused does not hold or write its outputs there, so a later step that depends on them differs
-    in eager, and gives no verdict."""
+    in eager, and gives no verdict. In a whole step the refusal also skips the optimizer's step, so only a whole step
+    without an optimizer can be judged past."""
     backward = step.action == "backward" or (step.action == "call" and step.loss in ("now", "retain"))
     return (
         backward
-        and not failure.program.whole_step
+        and (not failure.program.whole_step or failure.program.optimizer == "none")
         and _SAVED_TENSOR_WRITTEN in str(error)
         and failure.label != "exception"
         and not failure.label.startswith("grad of")
