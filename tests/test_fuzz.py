@@ -7,7 +7,9 @@ counted; so are outputs left out of autograd (requires_grad, is_leaf) as they ar
 fusion executor, or where plain Thunder's backward for the call returns no gradient, and backwards that plain Thunder
 refuses for an input written after the forward where cudagraphex's gradients do not depend on the write, writes
 into a view of a leaf that requires grad, which eager refuses and cudagraphex runs as eager runs them through
-``.detach()``, and whole steps whose cotangents plain Thunder makes from outputs it writes only in its backward.
+``.detach()``, whole steps whose cotangents plain Thunder makes from outputs it writes only in its backward, and
+whole steps whose loss or input write plain Thunder misses where Thunder's torch.compile fusion executor agrees with
+cudagraphex.
 """
 
 from __future__ import annotations
@@ -255,6 +257,37 @@ def test_a_whole_step_after_one_whose_backward_eager_refuses_is_judged_by_eager(
     (failure,) = check(program).failures
     assert failure.step == 1 and failure.symptom == "input NAME after the call: values"
     assert "eager refused an earlier backward" in failure.excused
+
+
+def test_a_whole_step_input_write_that_only_plain_thunder_misses_is_judged_by_a_fusion_executor():
+    """As above, with SGD with momentum: eager's refused backward also skips the optimizer's step, so eager cannot
+    judge the second step, run under ``no_grad``, where plain Thunder misses the write it moved into its backward.
+    Thunder with its torch.compile fusion executor writes ``x0`` as cudagraphex does: excused."""
+    lines = [
+        Line("v0 = F.linear(x0, self.w0, self.p0)", "v0", frozenset({"x0", "self.w0", "self.p0"}), False, "linear"),
+        Line("x0[0].add_(1)", None, frozenset({"x0"}), True, "write_input"),
+    ]
+    program = Program(
+        seed=0,
+        module=True,
+        width=4,
+        batches=(4,),
+        tensors=[
+            TensorSpec("x0", "BD", "state"),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+            TensorSpec("p0", "D", "param", requires_grad=True, init="torch.randn(d) * 0.5"),
+        ],
+        lines=lines,
+        outputs=["v0"],
+        steps=[Step("call", Mode(), loss="now", form="direct"), Step("call", Mode(grad=False))],
+        position="last",
+        min_region_size=1,
+        whole_step=True,
+        optimizer="momentum",
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 1 and failure.symptom == "input NAME after the call: values"
+    assert "torch.compile fusion executor writes the input as cudagraphex does" in failure.excused
 
 
 def test_a_write_that_only_plain_thunders_backward_reads_is_excused():

@@ -74,9 +74,10 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
     returns no gradient (:func:`_thunders_backward_has_no_gradient`); so is a backward that plain Thunder refuses for an
     input written after its forward, where cudagraphex's gradients do not depend on the write (see
     :func:`_write_not_read`), a write into a view of a leaf that requires grad, which eager refuses and cudagraphex
-    runs as eager runs it through ``.detach()`` (see :func:`_leaf_written_through_a_view`), and a whole step whose
+    runs as eager runs it through ``.detach()`` (see :func:`_leaf_written_through_a_view`), a whole step whose
     cotangents plain Thunder makes from outputs it writes only in its backward (see
-    :func:`_cotangents_of_an_unwritten_output`)."""
+    :func:`_cotangents_of_an_unwritten_output`), and a whole step's loss or input write that plain Thunder misses, as
+    it moved the write into a backward, where Thunder with its torch.compile fusion executor agrees with cudagraphex."""
     program = failure.program
     if failure.symptom.startswith("raises only without cudagraphex") and _THUNDER_FUNCTION_VIEW in failure.symptom:
         failure.excused = (
@@ -114,6 +115,17 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
             "a whole step's loss sums the outputs that require grad, which Thunder marks as a whole, unlike eager;"
             " plain Thunder moves an in-place write of the forward into its backward, so the loss misses it, and"
             " Thunder with its torch.compile fusion executor computes the loss cudagraphex does"
+        )
+    if (
+        not failure.excused
+        and program.whole_step
+        and failure.symptom == "input NAME after the call: values"
+        and _a_fusion_executor_agrees(failure, backend, ex, mode="close")
+    ):
+        failure.excused = (
+            "plain Thunder moves an in-place write of the forward into its backward, so a whole step that runs none"
+            " misses it; Thunder with its torch.compile fusion executor writes the input as cudagraphex does (eager"
+            " cannot judge: it refused an earlier step's backward, and with it the optimizer's step)"
         )
 
 
