@@ -20,8 +20,8 @@ import pytest
 
 from tests.fuzzing import Line, Mode, Program, Step, TensorSpec, check, run_batch
 
-#: Each program is compiled with and without cudagraphex, once per input signature, grad mode and train/eval mode it
-#: is called in; most programs use one or two of them, and each runs 3-5 calls in every one.
+#: Each program is compiled with and without cudagraphex, once per input signature, grad mode, train/eval mode and
+#: autocast it is called in; most programs use one or two of them, and each runs 3-5 calls in every one.
 CI_PROGRAMS = 300
 CUDA_PROGRAMS = 100
 WHOLE_STEP_PROGRAMS = 150
@@ -199,6 +199,33 @@ def test_a_view_of_a_parameter_that_only_an_empty_thunder_backward_connects_is_e
     (failure,) = check(program).failures
     assert failure.symptom == "outN: is_leaf"
     assert failure.excused.startswith("Thunder's grad transform finds no gradient")
+
+
+def test_calls_under_autocast_are_compiled_and_compared_apart():
+    """A call under ``torch.autocast`` to bfloat16 is its own Thunder cache entry, in both compiled functions: two
+    signatures, two compilations each, and both paths agree on every step."""
+    lines = [
+        Line("v0 = F.linear(x0, self.w0, self.p0)", "v0", frozenset({"x0", "self.w0", "self.p0"}), False, "linear")
+    ]
+    program = Program(
+        seed=0,
+        module=True,
+        width=4,
+        batches=(2,),
+        tensors=[
+            TensorSpec("x0", "BD", "x"),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+            TensorSpec("p0", "D", "param", requires_grad=True, init="torch.randn(d) * 0.5"),
+        ],
+        lines=lines,
+        outputs=["v0"],
+        steps=[Step("call", Mode(), loss="now"), Step("call", Mode(autocast=True), loss="now")],
+        position="first",
+        min_region_size=1,
+    )
+    outcome = check(program)
+    assert not outcome.failures and not outcome.raised_in_both
+    assert outcome.compilations == 4
 
 
 def test_a_forward_after_a_backward_that_eager_refuses_is_judged_by_eager():

@@ -3,9 +3,9 @@
 ``generate(seed)`` builds a small random program and a call pattern from a seeded ``random.Random``: a module (or a
 function) whose body draws from a pool of ops (elementwise, matmul, reductions, views, in-place writes into inputs,
 buffers and intermediates, ``index_copy_``, dropout and ``randn``-style ops, ``.item()``, scalar tensors, sdpa,
-layer norm, embedding), and a list of steps (calls in several input signatures, grad modes and train/eval modes, held,
-dropped and written outputs, writes into inputs after a call, backwards now, later, out of order or twice with
-``retain_graph``). ``check(program, backend)`` compiles it twice, with cudagraphex (first or last in the executors
+layer norm, embedding), and a list of steps (calls in several input signatures, grad modes, train/eval modes and
+under ``torch.autocast`` to bfloat16, held, dropped and written outputs, writes into inputs after a call, backwards
+now, later, out of order or twice with ``retain_graph``). ``check(program, backend)`` compiles it twice, with cudagraphex (first or last in the executors
 list, ``min_region_size`` 1 or 2, both chosen from the seed) and with plain ``thunder.jit`` (the reference), runs both
 in lock-step and compares after every step what a caller can observe: outputs, their metadata and which tensors share
 memory, values of inputs, parameters and buffers, gradients, held outputs, and exception types.

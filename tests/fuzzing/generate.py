@@ -58,6 +58,9 @@ def _call_pattern(r: random.Random, program: Program) -> list[Step]:
             m = dataclasses.replace(base, training=False)
         if m not in modes:
             modes.append(m)
+    # Drawn apart from ``r``, so that the programs of every seed stay what they were without autocast.
+    if random.Random(f"autocast {program.seed}").random() < 0.15:
+        modes.append(dataclasses.replace(base, autocast=True))
     plan = [m for m in modes for _ in range(r.randint(3, 5))]
     if len(modes) > 1 and r.random() < 0.5:
         plan += [r.choice(modes[:-1])] * r.randint(1, 2)

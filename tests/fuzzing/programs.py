@@ -41,15 +41,18 @@ class Line:
 
 @dataclass(frozen=True)
 class Mode:
-    """What decides a Thunder cache entry: batch size (an index into ``Program.batches``), dtype, grad, training."""
+    """What decides a Thunder cache entry: batch size (an index into ``Program.batches``), dtype, grad, training, and
+    whether the call runs under ``torch.autocast`` to bfloat16."""
 
     batch: int = 0
     dtype: str = "float32"
     grad: bool = True
     training: bool = True
+    autocast: bool = False
 
     def describe(self) -> str:
-        return f"B#{self.batch} {self.dtype} {'grad' if self.grad else 'no_grad'}{'' if self.training else ' eval'}"
+        grad = "grad" if self.grad else "no_grad"
+        return f"B#{self.batch} {self.dtype} {grad}{'' if self.training else ' eval'}{' autocast' if self.autocast else ''}"
 
 
 @dataclass(frozen=True)

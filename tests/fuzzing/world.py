@@ -267,7 +267,7 @@ class World:
             call_args += list(self.fn_params.values())
         label = f"c{self.calls}"
         self.calls += 1
-        with contextlib.nullcontext() if step.mode.grad else torch.no_grad():
+        with contextlib.nullcontext() if step.mode.grad else torch.no_grad(), self._autocast(step.mode):
             result = self.fn(*call_args)
         outs = list(result)
         for i, o in enumerate(outs):
@@ -314,7 +314,7 @@ class World:
         label = f"c{self.calls}"
         self.calls += 1
         backward = step.mode.grad and step.loss != "none"
-        with contextlib.nullcontext() if step.mode.grad else torch.no_grad():
+        with contextlib.nullcontext() if step.mode.grad else torch.no_grad(), self._autocast(step.mode):
             outs, loss = self.step(backward, step.form == "direct", *args.values())
         for i, o in enumerate(outs):
             obs.add(f"out{i}", o)
@@ -326,6 +326,9 @@ class World:
                 obs.add(f"grad of {label} input {k}", v.grad)
         self.last_inputs = args
         self._keep(step, label, outs)
+
+    def _autocast(self, mode: Mode) -> torch.autocast:
+        return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=mode.autocast)
 
     def _named(self, args: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         return [(f"input {k}", v) for k, v in args.items()] + [(f"state {k}", v) for k, v in self.named_state()]
