@@ -483,3 +483,33 @@ def test_last_position_wraps_another_executors_fusion():
     (region,) = regions(jm, emulated)
     assert region.info.num_ops == 4 and replays(jm, emulated) == 2
     assert "TorchCompile" in str(thunder.last_traces(jm)[-1])
+
+
+class HalvedWeight(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.weight.mul_(0.5)
+        x[0].add_(1)
+        return torch.nn.functional.layer_norm(x, x.shape[-1:])
+
+
+def test_an_in_place_write_inside_another_executors_fusion_is_applied_once_per_call(backend):
+    # The torch.compile fusion writes through names of its own (update_aliases' outputs): the writes reach the
+    # region's inputs all the same, the parameter and the caller's tensor.
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    model = HalvedWeight().to(backend.device)
+    jm = thunder.jit(model, executors=[torch_compile_ex, *thunder.get_default_executors(), backend.executor])
+    x = torch.empty(2, 4, device=backend.device)
+    with torch.no_grad():
+        for call in range(1, 5):
+            x.zero_()
+            jm(x)
+            torch.testing.assert_close(model.weight, torch.full_like(model.weight, 0.5**call))
+            assert x[0].eq(1).all() and x[1].eq(0).all()
+    assert replays(jm, backend.executor) >= 2
+    assert "TorchCompile" in str(thunder.last_traces(jm)[-1])

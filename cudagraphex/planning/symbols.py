@@ -224,13 +224,29 @@ def input_aliases(
             return aliases[name]
         return frozenset({name}) if name in inputs else frozenset()
 
+    def reached_by(bsym: BoundSymbol) -> frozenset[str]:
+        """The inputs ``bsym``'s writes may reach; inside a fusion or a decomposition the views its own symbols make
+        are followed too (a write there targets a name of its own, ``update_aliases``' output, say)."""
+        if is_inplace_write(bsym):
+            return roots(bsym.args[1].name)
+        if not (bsym.sym.executor is None or bsym.sym.is_fusion) or not _writes(bsym):
+            return frozenset()
+        reached = frozenset()
+        for sub in bsym.subsymbols:
+            reached |= reached_by(sub)
+            note_aliases(sub)
+        return reached
+
+    def note_aliases(bsym: BoundSymbol) -> None:
+        if _may_alias_input(bsym) or _writes(bsym):
+            shared = frozenset().union(*(roots(p.name) for p in bsym.flat_proxy_args))
+            for p in bsym.flat_proxy_outs:
+                aliases[p.name] = shared
+
     written = {}
     for b in members:
-        if _may_alias_input(b) or _writes(b):
-            shared = frozenset().union(*(roots(p.name) for p in b.flat_proxy_args))
-            for p in b.flat_proxy_outs:
-                aliases[p.name] = shared
-        reached = frozenset().union(*(roots(w.args[1].name) for w in _writes(b)))
+        reached = reached_by(b)
+        note_aliases(b)
         if reached:
             written[id(b)] = reached
     return written, aliases
