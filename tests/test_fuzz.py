@@ -55,6 +55,17 @@ def test_fuzz_whole_step_cpu_replay_backend():
         pytest.fail(_report(result), pytrace=False)
 
 
+def test_fuzz_whole_step_with_thunders_torch_compile_executor():
+    """Whole steps of seeds 0-7 and 131 with Thunder's torch.compile executor in both compiled functions
+    (``Program.fuser``; seed 131 writes a parameter inside its fusion), the configuration README recommends without
+    nvFuser. Inductor compiles for seconds per program on the CPU, so the batch is small."""
+    seeds = [*range(8), 131]
+    result = run_batch(seeds, "emulate", workers=min(2, os.cpu_count() or 1), steps="whole", fuser=True)
+    assert result.programs == len(seeds)
+    if result.counted:
+        pytest.fail(_report(result), pytrace=False)
+
+
 def test_fuzz_bucketed_cpu_replay_backend():
     """120 programs (seeds 0-119) as serving steps with batch-size buckets (``Program.as_bucketed_steps``): calls of
     the smaller batch replay the larger batch's graph padded where the row check allows it, compared within a

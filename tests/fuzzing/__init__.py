@@ -21,6 +21,9 @@ With ``steps="bucketed"`` each call is a serving step through ``graph_step`` wit
 the program's larger batch, so that calls of its smaller batch replay that graph padded where its rows are
 independent; values are then compared within a tolerance.
 
+With ``fuser`` (``--fuser``) both compiled functions also run Thunder's torch.compile executor, after cudagraphex
+where it comes first, as README recommends without nvFuser.
+
 ``python -m tests.fuzzing --backend emulate --count 2000 --start 0`` runs a batch and prints each failure (seed,
 program, call pattern, error) and a summary; ``--show SEED`` prints one program; ``--shrink`` reduces each failing
 program to a smaller one with the same symptom.

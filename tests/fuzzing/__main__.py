@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 
@@ -33,11 +34,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="calls as they are; each call with its backward as one step through graph_step; or a serving step"
         " through graph_step with batch-size buckets",
     )
+    parser.add_argument(
+        "--fuser",
+        action="store_true",
+        help="with Thunder's torch.compile executor in both compiled functions (Inductor compiles: seconds a program)",
+    )
     args = parser.parse_args(argv)
     if args.backend == "cuda" and not torch.cuda.is_available():
         parser.error("--backend cuda needs a CUDA GPU")
     if args.show is not None:
-        program = generate(args.show)
+        program = dataclasses.replace(generate(args.show), fuser=args.fuser)
         if args.steps == "whole":
             program = program.as_whole_steps()
         elif args.steps == "bucketed":
@@ -51,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f = shrink(f, args.backend)
         print(f.report(full=not args.brief), flush=True)
 
-    result = run_batch(seeds, args.backend, args.workers, on_failure, steps=args.steps)
+    result = run_batch(seeds, args.backend, args.workers, on_failure, steps=args.steps, fuser=args.fuser)
     print(result.summary())
     return 1 if result.counted else 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import multiprocessing
 import time
@@ -64,9 +65,9 @@ class BatchResult:
         return "\n".join(lines)
 
 
-def _check_seed(args: tuple[int, str, str]) -> tuple[Program, Outcome]:
-    seed, backend, steps = args
-    program = generate(seed)
+def _check_seed(args: tuple[int, str, str, bool]) -> tuple[Program, Outcome]:
+    seed, backend, steps, fuser = args
+    program = dataclasses.replace(generate(seed), fuser=fuser)
     if steps == "whole":
         program = program.as_whole_steps()
     elif steps == "bucketed":
@@ -83,15 +84,21 @@ def _worker_init() -> None:
 
 
 def run_batch(
-    seeds: Iterable[int], backend: str = "emulate", workers: int = 1, on_failure=None, steps: str = "calls"
+    seeds: Iterable[int],
+    backend: str = "emulate",
+    workers: int = 1,
+    on_failure=None,
+    steps: str = "calls",
+    fuser: bool = False,
 ) -> BatchResult:
     """Generates and checks one program per seed: its calls as they are (``steps="calls"``), each call one step
     through ``graph_step`` (``"whole"``, :meth:`Program.as_whole_steps`), or a serving step with batch-size buckets
-    (``"bucketed"``, :meth:`Program.as_bucketed_steps`). ``workers`` > 1 forks that many processes (CPU replay backend
-    only, and only while CUDA is not initialised in this process)."""
+    (``"bucketed"``, :meth:`Program.as_bucketed_steps`); with ``fuser``, with Thunder's torch.compile executor in both
+    compiled functions (``Program.fuser``). ``workers`` > 1 forks that many processes (CPU replay backend only, and
+    only while CUDA is not initialised in this process)."""
     result = BatchResult()
     start = time.perf_counter()
-    tasks = [(seed, backend, steps) for seed in seeds]
+    tasks = [(seed, backend, steps, fuser) for seed in seeds]
     parallel = workers > 1 and backend == "emulate" and not torch.cuda.is_initialized()
     with contextlib.ExitStack() as stack:
         if parallel:

@@ -122,6 +122,8 @@ class Program:
     cotangents: str = "cos"
     #: A serving step with batch-size buckets (see ``as_bucketed_steps``).
     bucketed: bool = False
+    #: Thunder's torch.compile executor runs in both compiled functions, after cudagraphex where it comes first.
+    fuser: bool = False
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -227,7 +229,8 @@ class Program:
         head = (
             f"seed={self.seed} {'module' if self.module else 'function'} cudagraphex {self.position} "
             f"min_region_size={self.min_region_size} width={self.width} batches={self.batches}"
-            f"{' threads' if self.threads else ''}{steps_as}\ninputs: {kinds}\nops: {' '.join(self.categories)}"
+            f"{' threads' if self.threads else ''}{steps_as}{' torch.compile' if self.fuser else ''}"
+            f"\ninputs: {kinds}\nops: {' '.join(self.categories)}"
         )
         steps = "\n".join(f"  {i:2d} {s.describe()}" for i, s in enumerate(self.steps))
         return f"{head}\n{self.source()}steps:\n{steps}"

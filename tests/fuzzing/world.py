@@ -117,14 +117,20 @@ class World:
                     k: v.detach().to(self.device).requires_grad_(v.requires_grad) for k, v in made.items()
                 }
                 target = namespace["forward"]
+        defaults = [*thunder.get_default_executors()]
+        if program.fuser:
+            from thunder.executors.torch_compile import torch_compile_ex
+
+            if ex is not torch_compile_ex:
+                defaults.insert(0, torch_compile_ex)
         if ex is None:
-            self.fn = thunder.jit(target)
+            self.fn = thunder.jit(target, executors=defaults)
         elif ex == "eager":
             self.fn = target
         elif program.position == "first":
-            self.fn = thunder.jit(target, executors=[ex, *thunder.get_default_executors()])
+            self.fn = thunder.jit(target, executors=[ex, *defaults])
         else:
-            self.fn = thunder.jit(target, executors=[*thunder.get_default_executors(), ex])
+            self.fn = thunder.jit(target, executors=[*defaults, ex])
         #: What a call runs: the compiled program, or (whole-step programs) one step of it, through ``graph_step`` where
         #: the program is compiled with cudagraphex.
         self.step = self._whole_step
