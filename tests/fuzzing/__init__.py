@@ -5,10 +5,11 @@ function) whose body draws from a pool of ops (elementwise, matmul, reductions, 
 buffers and intermediates, ``index_copy_``, dropout and ``randn``-style ops, ``.item()``, scalar tensors, sdpa,
 layer norm, embedding), and a list of steps (calls in several input signatures, grad modes, train/eval modes and
 under ``torch.autocast`` to bfloat16, held, dropped and written outputs, writes into inputs after a call, backwards
-now, later, out of order or twice with ``retain_graph``). ``check(program, backend)`` compiles it twice, with cudagraphex (first or last in the executors
-list, ``min_region_size`` 1 or 2, both chosen from the seed) and with plain ``thunder.jit`` (the reference), runs both
-in lock-step and compares after every step what a caller can observe: outputs, their metadata and which tensors share
-memory, values of inputs, parameters and buffers, gradients, held outputs, and exception types.
+now, later, out of order or twice with ``retain_graph``). ``check(program, backend)`` compiles it twice, with
+cudagraphex (first or last in the executors list, ``min_region_size`` 1 or 2, both chosen from the seed) and with
+plain ``thunder.jit`` (the reference), runs both in lock-step and compares after every step what a caller can
+observe: outputs, their metadata and which tensors share memory, values of inputs, parameters and buffers, gradients,
+held outputs, and exception types.
 
 On the CPU replay backend (``"emulate"``) everything is compared exactly: both runs start every step from the same
 ``torch.manual_seed``, and the replay backend draws what Thunder draws. On ``"cuda"`` RNG-free programs are compared

@@ -52,7 +52,8 @@ class Mode:
 
     def describe(self) -> str:
         grad = "grad" if self.grad else "no_grad"
-        return f"B#{self.batch} {self.dtype} {grad}{'' if self.training else ' eval'}{' autocast' if self.autocast else ''}"
+        flags = f"{'' if self.training else ' eval'}{' autocast' if self.autocast else ''}"
+        return f"B#{self.batch} {self.dtype} {grad}{flags}"
 
 
 @dataclass(frozen=True)
