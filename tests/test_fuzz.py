@@ -56,11 +56,12 @@ def test_fuzz_whole_step_cpu_replay_backend():
 
 
 def test_fuzz_whole_step_with_thunders_torch_compile_executor():
-    """Whole steps of seeds 0-7 and 131 with Thunder's torch.compile executor in both compiled functions
+    """Whole steps of seeds 0-4 and 131 with Thunder's torch.compile executor in both compiled functions
     (``Program.fuser``; seed 131 writes a parameter inside its fusion), the configuration README recommends without
-    nvFuser. Inductor compiles for seconds per program on the CPU, so the batch is small."""
-    seeds = [*range(8), 131]
-    result = run_batch(seeds, "emulate", workers=min(2, os.cpu_count() or 1), steps="whole", fuser=True)
+    nvFuser. Inductor compiles for seconds per program on the CPU, so the batch is small; and in one process, since a
+    process forked after Inductor has compiled (earlier tests) can hang in its compile workers."""
+    seeds = [*range(5), 131]
+    result = run_batch(seeds, "emulate", steps="whole", fuser=True)
     assert result.programs == len(seeds)
     if result.counted:
         pytest.fail(_report(result), pytrace=False)
