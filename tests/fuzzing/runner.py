@@ -105,28 +105,25 @@ def _triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> No
             )
         elif _thunders_backward_has_no_gradient(failure, backend):
             failure.excused = f"{no_gradient}; plain Thunder's backward trace for this call returns no gradient"
+    # What a whole step misses where plain Thunder moved an in-place write of its forward into its backward.
+    missed = _MISSED_BY_A_MOVED_WRITE.get("loss" if failure.label == "loss" else failure.symptom)
     if (
         not failure.excused
         and program.whole_step
-        and failure.label == "loss"
+        and missed
         and _a_fusion_executor_agrees(failure, backend, ex, mode="close")
     ):
-        failure.excused = (
-            "a whole step's loss sums the outputs that require grad, which Thunder marks as a whole, unlike eager;"
-            " plain Thunder moves an in-place write of the forward into its backward, so the loss misses it, and"
-            " Thunder with its torch.compile fusion executor computes the loss cudagraphex does"
-        )
-    if (
-        not failure.excused
-        and program.whole_step
-        and failure.symptom == "input NAME after the call: values"
-        and _a_fusion_executor_agrees(failure, backend, ex, mode="close")
-    ):
-        failure.excused = (
-            "plain Thunder moves an in-place write of the forward into its backward, so a whole step that runs none"
-            " misses it; eager gives no verdict, and Thunder with its torch.compile fusion executor writes the input"
-            " as cudagraphex does"
-        )
+        failure.excused = missed
+
+
+_MISSED_BY_A_MOVED_WRITE = {
+    "loss": "a whole step's loss sums the outputs that require grad, which Thunder marks as a whole, unlike eager;"
+    " plain Thunder moves an in-place write of the forward into its backward, so the loss misses it, and Thunder with"
+    " its torch.compile fusion executor computes the loss cudagraphex does",
+    "input NAME after the call: values": "plain Thunder moves an in-place write of the forward into its backward, so"
+    " a whole step that runs none misses it; eager gives no verdict, and Thunder with its torch.compile fusion"
+    " executor writes the input as cudagraphex does",
+}
 
 
 def _eager_verdict(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
