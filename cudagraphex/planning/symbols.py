@@ -229,7 +229,7 @@ def input_aliases(
         are followed too (a write there targets a name of its own, ``update_aliases``' output, say)."""
         if is_inplace_write(bsym):
             return roots(bsym.args[1].name)
-        if not (bsym.sym.executor is None or bsym.sym.is_fusion) or not _writes(bsym):
+        if not _writes(bsym):  # also what another executor's op (not a fusion) runs: it is not looked into
             return frozenset()
         reached = frozenset()
         for sub in bsym.subsymbols:
