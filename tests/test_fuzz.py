@@ -9,7 +9,7 @@ refuses for an input written after the forward where cudagraphex's gradients do 
 into a view of a leaf that requires grad, which eager refuses and cudagraphex runs as eager runs them through
 ``.detach()``, whole steps whose cotangents plain Thunder makes from outputs it writes only in its backward,
 whole steps whose loss or input write plain Thunder misses where Thunder's torch.compile fusion executor agrees with
-cudagraphex, and backwards that only cudagraphex refuses for a written input that Thunder's rematerialization saves
+cudagraphex, and backwards that cudagraphex refuses for a written input that Thunder's rematerialization saves
 (both agree with it turned off).
 """
 
@@ -527,6 +527,36 @@ def test_an_input_that_rematerialization_saves_in_a_larger_region_is_excused_whe
     )
     (failure,) = check(program).failures
     assert failure.step == 2 and failure.symptom.startswith("raises only with cudagraphex")
+    assert "with rematerialization off both agree" in failure.excused
+
+
+def test_an_input_that_rematerialization_saves_is_excused_where_plain_thunder_fails_otherwise():
+    """As above, where Thunder's grad rule for ``roll`` saves its input and rematerialization trades it for ``x0``;
+    plain Thunder's backward fusion fails in Dynamo (``roll_vjp``), cudagraphex's refuses the written ``x0``. Built
+    with rematerialization off, both raise Dynamo's error: excused."""
+    lines = [
+        Line("v0 = (x0 * 0.5 + 0.25)", "v0", frozenset({"x0"}), False, "unary"),
+        Line("v1 = v0.roll(1, 0)", "v1", frozenset({"v0"}), False, "view"),
+    ]
+    program = Program(
+        seed=0,
+        module=False,
+        width=4,
+        batches=(2,),
+        tensors=[TensorSpec("x0", "BD", "x", requires_grad=True)],
+        lines=lines,
+        outputs=["v1"],
+        steps=[
+            Step("call", Mode(), loss="pending", form="direct"),
+            Step("write_input", target="x0"),
+            Step("backward", target="last", retain=True),
+        ],
+        position="first",
+        min_region_size=1,
+        fuser=True,
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 2 and failure.symptom.startswith("reference raises Unsupported, cudagraphex RuntimeError")
     assert "with rematerialization off both agree" in failure.excused
 
 

@@ -32,7 +32,7 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
     :func:`_write_not_read`), a write into a view of a leaf that requires grad, which eager refuses and cudagraphex
     runs as eager runs it through ``.detach()`` (see :func:`_leaf_written_through_a_view`), a whole step whose
     cotangents plain Thunder makes from outputs it writes only in its backward (see
-    :func:`_cotangents_of_an_unwritten_output`), a backward that only cudagraphex refuses for an input written after
+    :func:`_cotangents_of_an_unwritten_output`), a backward that cudagraphex refuses for an input written after
     its forward, which Thunder's rematerialization saves in place of a tensor computed from it (see
     :func:`_saved_by_rematerialization`), and a whole step's loss or input write that plain Thunder misses, as
     it moved the write into a backward, where Thunder with its torch.compile fusion executor agrees with cudagraphex."""
@@ -282,22 +282,19 @@ def _cotangents_of_an_unwritten_output(failure: Failure, backend: BackendSpec, e
 
 
 def _saved_by_rematerialization(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
-    """Why only cudagraphex refuses a backward for an input written after its forward, where a fusion executor after it
-    rematerializes; empty for no verdict.
+    """Why cudagraphex refuses a backward for an input written after its forward, where a fusion executor after it
+    rematerializes and plain Thunder does not refuse it (it runs it, or fails otherwise); empty for no verdict.
 
     Thunder's rematerialization, which a fusion executor runs over every fusion of the trace, graph regions included,
     trades a tensor saved for backward for the tensors it is computed from, preferring the producer's inputs. A region
     holds more than the fusions plain Thunder forms, so more of what the backward reads is computed inside it, and the
     backward may come to save an input of the forward; autograd then refuses it after a write into that input, as it
     does where eager saves an input. The verdict needs both compiled functions, built with rematerialization turned
-    off, to run alike up to and through the failing step.
+    off, to run alike up to and through the failing step (where both may raise the same error).
     """
     program = failure.program
-    if not (
-        program.fuser
-        and failure.symptom.startswith("raises only with cudagraphex")
-        and _SAVED_TENSOR_WRITTEN in failure.detail
-    ):
+    refused_by_cudagraphex = failure.label == "exception" and not failure.symptom.startswith("raises only without")
+    if not (program.fuser and refused_by_cudagraphex and _SAVED_TENSOR_WRITTEN in failure.detail):
         return ""
     from thunder.executors import torch_compile
 
@@ -309,7 +306,8 @@ def _saved_by_rematerialization(failure: Failure, backend: BackendSpec, ex: CUDA
         except Exception:  # noqa: BLE001 - no verdict
             return ""
         for index, (a, b) in lockstep(program, (ref, cgx), steps, seeded=not program.threads):
-            if a.raised is not None or b.raised is not None or compare_step(program, backend, index, a, b):
+            raised = a.raised is not None or b.raised is not None
+            if compare_step(program, backend, index, a, b) or (raised and index < failure.step):
                 return ""
     return (
         "Thunder's rematerialization, run by the fusion executor after cudagraphex over regions larger than plain"
