@@ -7,18 +7,23 @@ counted; so are outputs left out of autograd (requires_grad, is_leaf) as they ar
 fusion executor, or where plain Thunder's backward for the call returns no gradient, and backwards that plain Thunder
 refuses for an input written after the forward where cudagraphex's gradients do not depend on the write, writes
 into a view of a leaf that requires grad, which eager refuses and cudagraphex runs as eager runs them through
-``.detach()``, whole steps whose cotangents plain Thunder makes from outputs it writes only in its backward, and
+``.detach()``, whole steps whose cotangents plain Thunder makes from outputs it writes only in its backward,
 whole steps whose loss or input write plain Thunder misses where Thunder's torch.compile fusion executor agrees with
-cudagraphex.
+cudagraphex, and backwards that cudagraphex refuses for a written input that Thunder's rematerialization saves
+(both agree with it turned off).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
+import torch
 
 from tests.fuzzing import Line, Mode, Program, Step, TensorSpec, check, run_batch
+from tests.fuzzing.compare import compare_step
+from tests.fuzzing.world import BACKENDS, Observations
 
 #: Each program is compiled with and without cudagraphex, once per input signature, grad mode, train/eval mode and
 #: autocast it is called in; most programs use one or two of them, and each runs 3-5 calls in every one.
@@ -487,3 +492,96 @@ def test_a_write_into_a_view_of_a_leaf_in_a_random_program_is_judged_on_what_fai
     (failure,) = check(program).failures
     assert failure.symptom == "input NAME after the call: values"
     assert "made through .detach()" in failure.excused
+
+
+def test_an_input_that_rematerialization_saves_in_a_larger_region_is_excused_where_it_decides_the_difference():
+    """With Thunder's torch.compile executor after cudagraphex, rematerialization makes the backward recompute
+    ``x1 * rand`` from ``x1``, an input of the one region, where plain Thunder's fusion returns the product to the
+    matrix product's fusion and saves it. A write into ``x1`` before the backward makes autograd refuse only
+    cudagraphex's backward; built with rematerialization off, both run the program alike: excused."""
+    lines = [
+        Line("v0 = x1 * torch.rand_like(x1)", "v0", frozenset({"x1"}), True, "random"),
+        Line("v1 = x0.roll(1, 0)", "v1", frozenset({"x0"}), False, "view"),
+        Line("v2 = v0 @ self.w0", "v2", frozenset({"v0", "self.w0"}), False, "matmul"),
+    ]
+    program = Program(
+        seed=0,
+        module=True,
+        width=4,
+        batches=(4,),
+        tensors=[
+            TensorSpec("x0", "BD", "x"),
+            TensorSpec("x1", "BD", "x", requires_grad=True),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+        ],
+        lines=lines,
+        outputs=["v2", "v1"],
+        steps=[
+            Step("call", Mode(), loss="pending", form="direct"),
+            Step("write_input", target="x1"),
+            Step("backward", target="first"),
+        ],
+        position="first",
+        min_region_size=1,
+        fuser=True,
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 2 and failure.symptom.startswith("raises only with cudagraphex")
+    assert "with rematerialization off both agree" in failure.excused
+
+
+def test_an_input_that_rematerialization_saves_is_excused_where_plain_thunder_fails_otherwise():
+    """As above, where Thunder's grad rule for ``roll`` saves its input and rematerialization trades it for ``x0``;
+    plain Thunder's backward fusion fails in Dynamo (``roll_vjp``), cudagraphex's refuses the written ``x0``. Built
+    with rematerialization off, both raise Dynamo's error: excused."""
+    lines = [
+        Line("v0 = (x0 * 0.5 + 0.25)", "v0", frozenset({"x0"}), False, "unary"),
+        Line("v1 = v0.roll(1, 0)", "v1", frozenset({"v0"}), False, "view"),
+    ]
+    program = Program(
+        seed=0,
+        module=False,
+        width=4,
+        batches=(2,),
+        tensors=[TensorSpec("x0", "BD", "x", requires_grad=True)],
+        lines=lines,
+        outputs=["v1"],
+        steps=[
+            Step("call", Mode(), loss="pending", form="direct"),
+            Step("write_input", target="x0"),
+            Step("backward", target="last", retain=True),
+        ],
+        position="first",
+        min_region_size=1,
+        fuser=True,
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 2 and failure.symptom.startswith("reference raises Unsupported, cudagraphex RuntimeError")
+    assert "with rematerialization off both agree" in failure.excused
+
+
+def test_a_program_with_a_fusion_executor_is_compared_within_a_tolerance():
+    """Inductor rounds by the fusions it is handed, which graph regions change; without a fusion executor the CPU
+    replay backend is compared to the last bit."""
+    program = Program(
+        seed=0,
+        module=False,
+        width=4,
+        batches=(4,),
+        tensors=[],
+        lines=[],
+        outputs=[],
+        steps=[],
+        position="first",
+        min_region_size=1,
+    )
+    ref, got = Observations(), Observations()
+    value = torch.full((4,), 0.3)
+    ref.add("out0", value)
+    got.add("out0", torch.nextafter(value, torch.ones(4)))
+    emulate = BACKENDS["emulate"]
+    assert compare_step(program, emulate, 0, ref, got).symptom == "outN: values (within a tolerance)"
+    assert compare_step(dataclasses.replace(program, fuser=True), emulate, 0, ref, got) is None
+    got.items.clear()
+    got.add("out0", value + 1e-3)
+    assert compare_step(dataclasses.replace(program, fuser=True), emulate, 0, ref, got) is not None

@@ -426,3 +426,14 @@ def _sharing(tensors: list[tuple[str, Any]]) -> list[tuple[str, str]]:
     for labels in by_storage.values():
         pairs += [(a, b) for i, a in enumerate(labels) for b in labels[i + 1 :] if a != b]
     return sorted(pairs)
+
+
+def lockstep(program: Program, worlds: Sequence[World], steps: Sequence[Step], seeded: bool):
+    """Yields (index, observations of each world) for each step."""
+    for index, step in enumerate(steps):
+        results = []
+        for world in worlds:
+            if seeded:
+                torch.manual_seed(derived_seed(program.seed, "step", index))
+            results.append(world.run(step, index))
+        yield index, results

@@ -1,0 +1,433 @@
+"""Triage of a difference between cudagraphex and plain Thunder: the runs that show plain Thunder is the one that
+differs, or that the difference is Thunder's own choice made on other fusions, so it is reported and not counted."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from unittest import mock
+
+import thunder
+from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
+
+from cudagraphex import CUDAGraphExecutor
+from tests.fuzzing.compare import Failure, compare_step, compare_value, normalise, value_mode
+from tests.fuzzing.programs import Line, Program, Step
+from tests.fuzzing.world import BackendSpec, Observations, World, compile_source, lockstep
+
+_MISSING = object()
+
+
+def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> None:
+    """Runs the program eagerly beside cudagraphex up to the failing step. When eager PyTorch agrees with cudagraphex on
+    what failed (the same error or none; values within a tolerance, or to the last bit where the difference was within
+    one; metadata only for random programs), plain Thunder is the one that differs, and the failure is excused; a
+    backward that eager refused for a saved tensor written in place does not end the run there, for a failure that is
+    not about gradients (see :func:`_refused_backward`). An output that plain Thunder connects to autograd and
+    cudagraphex does not (its requires_grad, its is_leaf) is excused also where Thunder with a fusion executor of its
+    own agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`), or plain Thunder's backward for the call
+    returns no gradient (:func:`_thunders_backward_has_no_gradient`); so is a backward that plain Thunder refuses for an
+    input written after its forward, where cudagraphex's gradients do not depend on the write (see
+    :func:`_write_not_read`), a write into a view of a leaf that requires grad, which eager refuses and cudagraphex
+    runs as eager runs it through ``.detach()`` (see :func:`_leaf_written_through_a_view`), a whole step whose
+    cotangents plain Thunder makes from outputs it writes only in its backward (see
+    :func:`_cotangents_of_an_unwritten_output`), a backward that cudagraphex refuses for an input written after
+    its forward, which Thunder's rematerialization saves in place of a tensor computed from it (see
+    :func:`_saved_by_rematerialization`), and a whole step's loss or input write that plain Thunder misses, as
+    it moved the write into a backward, where Thunder with its torch.compile fusion executor agrees with cudagraphex."""
+    program = failure.program
+    if failure.symptom.startswith("raises only without cudagraphex") and _THUNDER_FUNCTION_VIEW in failure.symptom:
+        failure.excused = (
+            "an error of Thunder's autograd function, which returns outputs as views of one another; eager and"
+            " cudagraphex hand out plain tensors and views, which autograd lets the caller write"
+        )
+        return
+    if failure.step < 0 or (failure.nearly_equal and program.random):
+        return
+    failure.excused = (
+        _eager_verdict(failure, backend, ex)
+        or _write_not_read(failure, backend, ex)
+        or _leaf_written_through_a_view(failure, backend, ex)
+        or _cotangents_of_an_unwritten_output(failure, backend, ex)
+        or _saved_by_rematerialization(failure, backend, ex)
+    )
+    if not failure.excused and _connected_only_by_thunder(failure):
+        no_gradient = (
+            "Thunder's grad transform finds no gradient, so Thunder connects outputs to autograd only where its"
+            " backward trace is not empty: without a fusion executor an in-place write no forward output needs is"
+            " moved into that backward"
+        )
+        if _a_fusion_executor_agrees(failure, backend, ex):
+            failure.excused = (
+                f"{no_gradient}; Thunder with its torch.compile fusion executor does not connect it either"
+            )
+        elif _thunders_backward_has_no_gradient(failure, backend):
+            failure.excused = f"{no_gradient}; plain Thunder's backward trace for this call returns no gradient"
+    # What a whole step misses where plain Thunder moved an in-place write of its forward into its backward.
+    missed = _MISSED_BY_A_MOVED_WRITE.get("loss" if failure.label == "loss" else failure.symptom)
+    if (
+        not failure.excused
+        and program.whole_step
+        and missed
+        and _a_fusion_executor_agrees(failure, backend, ex, mode="close")
+    ):
+        failure.excused = missed
+
+
+_MISSED_BY_A_MOVED_WRITE = {
+    "loss": "a whole step's loss sums the outputs that require grad, which Thunder marks as a whole, unlike eager;"
+    " plain Thunder moves an in-place write of the forward into its backward, so the loss misses it, and Thunder with"
+    " its torch.compile fusion executor computes the loss cudagraphex does",
+    "input NAME after the call: values": "plain Thunder moves an in-place write of the forward into its backward, so"
+    " a whole step that runs none misses it; eager gives no verdict, and Thunder with its torch.compile fusion"
+    " executor writes the input as cudagraphex does",
+}
+
+
+def _eager_verdict(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
+    """Why plain Thunder is the one that differs, by eager PyTorch run beside cudagraphex; empty for no verdict."""
+    program = failure.program
+    try:
+        eager = World(program, backend, "eager", compile_source(program, "eager"))
+        cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return ""
+    steps = program.steps[: failure.step + 1]
+    refused_backward = False
+    for index, (e, c) in lockstep(program, (eager, cgx), steps, seeded=not program.threads):
+        if e.raised is not None and c.raised is None and _thunder_refuses_later(failure, e.raised):
+            return (
+                "eager refuses the program (a tensor saved for backward written in place); plain Thunder runs that"
+                " write in its backward and refuses a later backward, cudagraphex runs it in the forward"
+            )
+        if index < failure.step:
+            if c.raised is None and e.raised is not None and _refused_backward(failure, steps[index], e.raised):
+                refused_backward = True
+            elif e.raised is not None or c.raised is not None:
+                return ""
+            continue
+        if failure.label == "exception":  # the same error (type and message), or none
+            same = (e.raised is None) == (c.raised is None)
+            if same and e.raised is not None:
+                same = type(e.raised) is type(c.raised) and _gist(e.raised) == _gist(c.raised)
+        else:
+            # a difference within a tolerance is Thunder's only where eager and cudagraphex agree to the last bit
+            mode = "meta" if program.random else "exact" if failure.nearly_equal else "close"
+            values_only = failure.symptom.endswith(("values", "values (within a tolerance)"))
+            same = _observed_alike(failure, e, c, value_mode(failure.label, mode), values_only)
+        if same:
+            return "plain Thunder differs from eager here, and cudagraphex agrees with eager" + (
+                " (eager refused an earlier backward, which read a tensor saved for it and written in place)"
+                if refused_backward
+                else ""
+            )
+    return ""
+
+
+def _refused_backward(failure: Failure, step: Step, error: BaseException) -> bool:
+    """Whether eager's error at ``step`` is a refused backward that later steps can be judged past: a backward (a
+    step of its own, or a call's) that read a tensor saved for it and written in place, which Thunder's backward
+    computes, where the failure is not about gradients, which that refusal leaves eager without. A call whose
+    backward eager refused does not hold or write its outputs there, so a later step that depends on them differs
+    in eager, and gives no verdict. In a whole step the refusal also skips the optimizer's step, so only a whole step
+    without an optimizer can be judged past."""
+    backward = step.action == "backward" or (step.action == "call" and step.loss in ("now", "retain"))
+    return (
+        backward
+        and (not failure.program.whole_step or failure.program.optimizer == "none")
+        and _SAVED_TENSOR_WRITTEN in str(error)
+        and failure.label != "exception"
+        and not failure.label.startswith("grad of")
+    )
+
+
+def _write_not_read(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
+    """Why plain Thunder refuses a backward for a saved input written in place after its forward while cudagraphex
+    computes one; empty for no verdict.
+
+    The verdict needs the program with its input writes left out to run alike in both up to that step, and
+    cudagraphex's gradients there to be the same with and without the writes: its backward read no written tensor, so
+    they are the gradients of the forward as it ran. Thunder 0.2.6 moves an in-place write of the forward that no
+    output needs into its backward, which then saves the input it recomputes that write from; cudagraphex keeps the
+    write in the forward graph. (Eager refuses such programs or not by its own formulas: ``index_copy_`` saves its
+    source for the source's shape.)
+    """
+    program = failure.program
+    if not (failure.label == "exception" and _SAVED_TENSOR_WRITTEN in failure.detail):
+        return ""
+    steps = program.steps[: failure.step + 1]
+    # A write to no input, at the same index, so that every later step draws the same seeds and inputs.
+    unwritten = [dataclasses.replace(s, target="") if s.action == "write_input" else s for s in steps]
+    try:
+        written = World(program, backend, ex, compile_source(program, "cudagraphex"))
+        ref = World(program, backend, None, compile_source(program, "reference"))
+        cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return ""
+    # Each world runs seeded per step, as in the checked run, so the two lock-steps need not interleave.
+    with_writes = None
+    for _, (obs,) in lockstep(program, (written,), steps, seeded=True):
+        if obs.raised is not None:
+            return ""
+        with_writes = obs
+    without = None
+    for index, (a, b) in lockstep(program, (ref, cgx), unwritten, seeded=True):
+        if a.raised is not None or b.raised is not None or compare_step(program, backend, index, a, b):
+            return ""
+        without = b
+    grads = [{k: v for k, v in obs.items if k.startswith("grad of")} for obs in (with_writes, without)]
+    if not grads[0] or grads[0].keys() != grads[1].keys():
+        return ""
+    if any(compare_value(grads[0][k], grads[1][k], "exact") is not None for k in grads[0]):
+        return ""
+    return (
+        "plain Thunder refuses a backward that saved an input written in place after the forward, as it moved an"
+        " in-place write of the forward into its backward; without the writes both agree, and cudagraphex's gradients"
+        " are the same with them: its backward read no written tensor"
+    )
+
+
+_LEAF_WRITTEN = "leaf Variable that requires grad is being used in an in-place operation"
+
+
+def _leaf_written_through_a_view(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
+    """Why cudagraphex and plain Thunder differ on a program that writes in place into a view of a leaf that requires
+    grad; empty for no verdict.
+
+    Eager refuses the write. Thunder 0.2.6 checks only the write's target, which is a view here (or what
+    ``x.t().contiguous().t()`` returns for a transposed ``x``: ``contiguous`` returns ``x.t()`` itself, which Thunder
+    takes for a new tensor), so neither Thunder path refuses it; plain Thunder drops the write (as it does for a leaf
+    that requires no grad, where eager writes). The verdict needs eager to refuse the program at the failing step,
+    and the program with each write that may reach such a leaf made through ``.detach()`` to run eagerly as
+    cudagraphex runs the original, up to that step (in a random program, to raise nowhere and agree on what failed).
+    """
+    program = failure.program
+    writes = [ln for ln in program.lines if _may_write_a_grad_leaf(program, ln)]
+    if failure.label == "exception" or not writes:
+        return ""
+    through_detach = dataclasses.replace(
+        program,
+        lines=[
+            dataclasses.replace(ln, text=re.sub(r"^(\w+)", r"\1.detach()", ln.text, count=1)) if ln in writes else ln
+            for ln in program.lines
+        ],
+    )
+    steps = program.steps[: failure.step + 1]
+    try:
+        eager = World(program, backend, "eager", compile_source(program, "eager"))
+        detached = World(through_detach, backend, "eager", compile_source(through_detach, "eager, writes detached"))
+        cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return ""
+    refused = None
+    for index, (e,) in lockstep(program, (eager,), steps, seeded=not program.threads):
+        if e.raised is not None:
+            refused = index if _LEAF_WRITTEN in str(e.raised) else None
+            break
+    if refused != failure.step:
+        return ""
+    for index, (d, c) in lockstep(program, (detached, cgx), steps, seeded=not program.threads):
+        if d.raised is not None or c.raised is not None:
+            return ""
+        if not program.random and compare_step(program, backend, index, d, c):
+            return ""
+    # eager draws other numbers than Thunder: in a random program, the failing observation alone, which must agree
+    if program.random and not _observed_alike(failure, d, c, value_mode(failure.label, "close")):
+        return ""
+    return (
+        "eager refuses an in-place write into a view of a leaf that requires grad; Thunder checks the write's target,"
+        " a view, so neither Thunder path refuses it: cudagraphex computes what eager computes with the write made"
+        " through .detach(), plain Thunder drops the write"
+    )
+
+
+def _cotangents_of_an_unwritten_output(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
+    """Why a whole step differs, where plain Thunder moves an in-place write of the forward into its backward; empty
+    for no verdict.
+
+    A whole step makes each cotangent from its output (its cosine) between the forward and the backward; without a
+    fusion executor, plain Thunder returns the output before the write and makes it in the backward, so its
+    cotangents, gradients and optimizer step differ. The verdict needs the failing step's forward alone to give what
+    eager gives with cudagraphex and something else with plain Thunder, and both Thunder paths to agree up to the
+    failing step with cotangents of ones.
+    """
+    program = failure.program
+    steps = program.steps[: failure.step + 1]
+    if not program.whole_step or failure.label == "exception" or steps[-1].action != "call" or steps[-1].loss == "none":
+        return ""
+    forward_only = [*steps[:-1], dataclasses.replace(steps[-1], loss="none")]
+    ones = dataclasses.replace(program, cotangents="ones")
+    try:
+        tags = {"eager": "eager", None: "plain Thunder", ex: "cudagraphex"}
+        worlds = [World(program, backend, w, compile_source(program, tag)) for w, tag in tags.items()]
+        thunder_ones = World(ones, backend, None, compile_source(ones, "plain Thunder, cotangents of ones"))
+        cgx_ones = World(ones, backend, ex, compile_source(ones, "cudagraphex, cotangents of ones"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return ""
+    for index, observed in lockstep(program, worlds, forward_only, seeded=not program.threads):
+        if any(o.raised is not None for o in observed):
+            return ""
+    eager, plain, cgx = (_outputs(o) for o in observed)
+    if compare_step(program, backend, index, eager, cgx) or not compare_step(program, backend, index, plain, cgx):
+        return ""
+    for index, (t, c) in lockstep(program, (thunder_ones, cgx_ones), steps, seeded=not program.threads):
+        if t.raised is not None or c.raised is not None or compare_step(program, backend, index, t, c):
+            return ""
+    return (
+        "plain Thunder moves an in-place write of the forward into its backward, so a whole step makes its cotangents"
+        " from outputs that miss it, where eager and cudagraphex have it; with cotangents of ones both Thunder paths"
+        " agree"
+    )
+
+
+def _saved_by_rematerialization(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
+    """Why cudagraphex refuses a backward for an input written after its forward, where a fusion executor after it
+    rematerializes and plain Thunder does not refuse it (it runs it, or fails otherwise); empty for no verdict.
+
+    Thunder's rematerialization, which a fusion executor runs over every fusion of the trace, graph regions included,
+    trades a tensor saved for backward for the tensors it is computed from, preferring the producer's inputs. A region
+    holds more than the fusions plain Thunder forms, so more of what the backward reads is computed inside it, and the
+    backward may come to save an input of the forward; autograd then refuses it after a write into that input, as it
+    does where eager saves an input. The verdict needs both compiled functions, built with rematerialization turned
+    off, to run alike up to and through the failing step (where both may raise the same error).
+    """
+    program = failure.program
+    refused_by_cudagraphex = failure.label == "exception" and not failure.symptom.startswith("raises only without")
+    if not (program.fuser and refused_by_cudagraphex and _SAVED_TENSOR_WRITTEN in failure.detail):
+        return ""
+    from thunder.executors import torch_compile
+
+    steps = program.steps[: failure.step + 1]
+    with mock.patch.object(torch_compile, "rematerialize", lambda trace: trace):
+        try:
+            ref = World(program, backend, None, compile_source(program, "reference, not rematerialized"))
+            cgx = World(program, backend, ex, compile_source(program, "cudagraphex, not rematerialized"))
+        except Exception:  # noqa: BLE001 - no verdict
+            return ""
+        for index, (a, b) in lockstep(program, (ref, cgx), steps, seeded=not program.threads):
+            raised = a.raised is not None or b.raised is not None
+            if compare_step(program, backend, index, a, b) or (raised and index < failure.step):
+                return ""
+    return (
+        "Thunder's rematerialization, run by the fusion executor after cudagraphex over regions larger than plain"
+        " Thunder's fusions, makes the backward save an input that is written before it; with rematerialization off"
+        " both agree"
+    )
+
+
+def _outputs(observed: Observations) -> Observations:
+    """The outputs among ``observed``."""
+    outputs = Observations()
+    outputs.items = [(label, value) for label, value in observed.items if label.startswith("out")]
+    return outputs
+
+
+def _may_write_a_grad_leaf(program: Program, line: Line) -> bool:
+    """Whether ``line`` writes in place into an input that requires grad, or into a chain of views of one."""
+    if line.category == "write_grad_leaf":
+        return True
+    if line.category != "inplace_intermediate":
+        return False
+    definitions = {ln.defines: ln for ln in program.lines if ln.defines}
+    name = re.match(r"\w+", line.text).group()
+    while name in definitions and definitions[name].category == "view" and len(definitions[name].uses) == 1:
+        (name,) = definitions[name].uses
+    return any(t.name == name and t.requires_grad for t in program.inputs)
+
+
+def _a_fusion_executor_agrees(
+    failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor, mode: str = "meta"
+) -> bool:
+    """Whether Thunder with its torch.compile fusion executor in cudagraphex's place observes what cudagraphex does at
+    the failing step (``mode``: as ``compare_value`` compares).
+
+    Thunder 0.2.6 returns outputs that require grad only when ``split_into_forward_and_backward`` leaves a backward
+    trace: its grad transform produces no gradient under ``no_grad``, or where an in-place write may reach an input
+    through ``contiguous`` (``x.t().contiguous().t().relu_()``), yet without a fusion executor the split moves that
+    write into the backward, and the outputs require grad (a backward that computes nothing, or fails). A fusion
+    executor fuses the write with forward outputs, so it stays in the forward and no backward is left.
+    """
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    program = failure.program
+    try:
+        fused = World(program, backend, torch_compile_ex, compile_source(program, "torch.compile fusion"))
+        cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return False
+    steps = program.steps[: failure.step + 1]
+    for index, (f, c) in lockstep(program, (fused, cgx), steps, seeded=not program.threads):
+        if f.raised is not None or c.raised is not None:
+            return False
+        if index == failure.step:
+            return _observed_alike(failure, f, c, mode)
+    return False
+
+
+def _observed_alike(failure: Failure, a: Observations, b: Observations, mode: str, values_only: bool = False) -> bool:
+    """Whether two worlds observed what failed alike (:func:`compare_value` in ``mode``); False where one did not."""
+    x, y = dict(a.items).get(failure.label, _MISSING), dict(b.items).get(failure.label, _MISSING)
+    return x is not _MISSING and y is not _MISSING and compare_value(x, y, mode, values_only) is None
+
+
+#: How an output's metadata shows that plain Thunder connected it to autograd and cudagraphex did not.
+_CONNECTED_ONLY_BY_THUNDER = {
+    "requires_grad": "reference True, cudagraphex False",
+    "is_leaf": "reference False, cudagraphex True",  # a view of a leaf made under no_grad requires grad
+}
+
+
+def _connected_only_by_thunder(failure: Failure) -> bool:
+    return any(
+        failure.symptom.endswith(f": {key}") and detail in failure.detail
+        for key, detail in _CONNECTED_ONLY_BY_THUNDER.items()
+    )
+
+
+def _thunders_backward_has_no_gradient(failure: Failure, backend: BackendSpec) -> bool:
+    """Whether plain Thunder connected an output to autograd where cudagraphex did not, and plain Thunder compiled the
+    failing call with a backward trace that returns no gradient: the cause :func:`_a_fusion_executor_agrees` shows,
+    seen directly, for programs that Thunder's torch.compile fusion executor cannot compile. Plain Thunder may raise
+    at the failing step (running such a backward, it can fail an assertion), not before it."""
+    program = failure.program
+    if not _connected_only_by_thunder(failure):
+        return False
+    try:
+        ref = World(program, backend, None, compile_source(program, "reference"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return False
+    misses = 0
+    for index, (r,) in lockstep(program, (ref,), program.steps[: failure.step + 1], seeded=not program.threads):
+        if r.raised is not None and index < failure.step:
+            return False
+        if index == failure.step:
+            traces = thunder.last_backward_traces(ref.fn)
+            compiled = thunder.cache_misses(ref.fn) > misses
+            return (
+                compiled
+                and bool(traces)
+                and not any(isinstance(o, TensorProxy) for o in tree_flatten(traces[-1].output)[0])
+            )
+        misses = thunder.cache_misses(ref.fn)
+    return False
+
+
+_THUNDER_FUNCTION_VIEW = "Output N of ThunderOutputFunctionBackward is a view"
+_SAVED_TENSOR_WRITTEN = "one of the variables needed for gradient computation has been modified by an inplace"
+
+
+def _thunder_refuses_later(failure: Failure, eager_error: BaseException) -> bool:
+    """Whether eager refused the program for a saved tensor written in place, and the difference is that plain Thunder
+    refuses it for the same reason at a later step (Thunder 0.2.6 moves such a forward write into its backward)."""
+    return (
+        failure.label == "exception"
+        and _SAVED_TENSOR_WRITTEN in str(eager_error)
+        and _SAVED_TENSOR_WRITTEN in failure.detail
+    )
+
+
+def _gist(e: BaseException) -> str:
+    """The start of an error message, up to the first detail in brackets. Thunder's in-place check says "a leaf
+    Variable" where eager says "a view of a leaf Variable": the same error."""
+    return normalise(str(e)).removeprefix("a view of ").split("[")[0][:60]
