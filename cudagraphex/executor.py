@@ -38,6 +38,7 @@ from thunder.extend import (
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.capture import backend_for
 from cudagraphex.compat.trusted_parameters import TRUSTED_ATTRIBUTE
+from cudagraphex.planning.host_reads import unfused_host_reads
 from cudagraphex.planning.regions import RegionSpec, plan_regions, static_outputs, trace_kind
 from cudagraphex.planning.rematerialization import refused_rematerialization
 from cudagraphex.planning.safety import unsafe_reason
@@ -213,6 +214,7 @@ class CUDAGraphExecutor(FusionExecutor):
         fused.bound_symbols = bsyms
         # Symbols this executor claimed but left out of every graph go back to the executors after it.
         fused = _transform_for_operator_executor_execution(fused, inner)
+        fused.bound_symbols = unfused_host_reads(fused.bound_symbols)
         elapsed = (time.perf_counter() - start) * 1e3
         fused.set_provenance(TraceProvenance(f"cudagraphex fusion (took {elapsed:.0f} milliseconds)"))
         return fused

@@ -22,6 +22,7 @@ from thunder.executors.torchex import ex as torch_executor
 from cudagraphex._protections import PROTECTIONS
 
 __all__ = [
+    "HOST_READS",
     "NEVER_CAPTURED",
     "RNG_STATE_PARAMETERS",
     "TRANSPARENT",
@@ -45,13 +46,16 @@ def _with_torch_lowerings(ids: Iterable, reason: str) -> dict:
 #: Thunder's symbols that unpack a trace's inputs.
 UNPACKS = frozenset(p for p in prims.PrimIDs if p.name.startswith("UNPACK_"))
 
+#: ``item`` in each of its lowerings: reads a device value into a Python number.
+HOST_READS = frozenset(_with_torch_lowerings([prims.PrimIDs.ITEM, "torch.Tensor.item"], ""))
+
 #: Symbol ids that never enter a graph, with the reason recorded for them.
 NEVER_CAPTURED: dict = {
     **{p: "unpacks the trace's inputs on the host" for p in UNPACKS},
     prims.PrimIDs.RETURN: "returns from the trace",
     prims.PrimIDs.GET_GRAD: "marks where the backward pass starts",
     "clear_mutable_collection": "empties a Python collection",
-    **_with_torch_lowerings([prims.PrimIDs.ITEM, "torch.Tensor.item"], "reads a device value on the host"),
+    **dict.fromkeys(HOST_READS, "reads a device value on the host"),
     **_with_torch_lowerings(
         [prims.PrimIDs.GET_AND_UPDATE_RNG_STATE],
         "reads and advances the host-side RNG state",

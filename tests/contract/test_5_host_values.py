@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import thunder
 import torch
 
 from cudagraphex import CUDAGraphExecutor, explain
-from tests.helpers import BACKENDS, emulated, jit, protection_off
+from tests.helpers import BACKENDS, emulated, jit, protection_off, replays
 
 
 def scale_by_item(x):
@@ -49,6 +50,27 @@ def test_numbers_passed_as_inputs(backend):
         for i in range(4):
             x = torch.randn(8, device=backend.device)
             torch.testing.assert_close(jf(x, 0.5 * i), f(x, 0.5 * i))
+
+
+def test_a_host_value_beside_a_fusion_executor_is_read_on_every_call(backend):
+    """With Thunder's torch.compile executor after cudagraphex, ``item`` of what a graph returns stays out of its
+    fusions: Inductor compiles ``item`` of a float64 input of a fusion into the number it read on the first call."""
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    def f(x, w):
+        h = x.sin().mean().item()
+        return ((x * h) @ w).cos(), h
+
+    jf = thunder.jit(f, executors=[backend.executor, torch_compile_ex, *thunder.get_default_executors()])
+    w = torch.randn(6, 6, device=backend.device, dtype=torch.float64)
+    for i in range(4):
+        x = torch.randn(3, 6, device=backend.device, dtype=torch.float64) + i
+        out, h = jf(x, w)
+        expected, expected_h = f(x, w)
+        assert h == pytest.approx(expected_h, rel=1e-6)
+        torch.testing.assert_close(out, expected)
+    assert replays(jf, backend.executor) >= 2
+    assert "TorchCompile" in str(thunder.last_traces(jf)[-1])
 
 
 @pytest.mark.cuda
