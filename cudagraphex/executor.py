@@ -212,7 +212,8 @@ class CUDAGraphExecutor(FusionExecutor):
 
         fused = from_trace(trace)
         fused.bound_symbols = bsyms
-        # Symbols this executor claimed but left out of every graph go back to the executors after it.
+        # Symbols this executor claimed but left out of every graph go back to the executors after it, but for `item`,
+        # which their fusions would read wrongly (see planning/host_reads).
         fused = _transform_for_operator_executor_execution(fused, inner)
         fused.bound_symbols = unfused_host_reads(fused.bound_symbols)
         elapsed = (time.perf_counter() - start) * 1e3
