@@ -364,12 +364,21 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
 def overwrite_given_back(storage: torch.UntypedStorage) -> None:
     """Fills ``storage``, given back, with bytes 0xFF (NaN in every floating dtype, -1 in integers), as a replay that
     reuses its memory does, except where outputs of a graph live in it (no other allocation can take those bytes)."""
-    living = [t for ref in _living_in.get(storage.data_ptr(), []) if (t := ref()) is not None]
+    living = [_distinct_elements(t) for ref in _living_in.get(storage.data_ptr(), []) if (t := ref()) is not None]
     with torch.no_grad():
         kept = [t.clone() for t in living]
         _bytes_of(storage).fill_(255)
         for t, value in zip(living, kept, strict=True):
             t.copy_(value)
+
+
+def _distinct_elements(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without the repeats of a dimension it broadcasts (stride 0, as ``expand`` makes): a tensor that can be
+    written."""
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and size > 1:
+            t = t.narrow(dim, 0, 1)
+    return t
 
 
 _BACKENDS = {"cuda": CudaBackend, "emulate": EmulatedBackend}

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 
 import pytest
+import thunder
 import torch
 from thunder.extend import register_executor
 
@@ -74,6 +75,23 @@ def test_an_output_in_given_back_memory_is_not_handed_out_as_a_view_of_the_saved
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
     assert _backward_graph(jm).given_back
+
+
+def test_a_broadcast_gradient_in_given_back_memory_keeps_its_values(backend):
+    """The gradient of ``mean(0)`` broadcasts one row (stride 0); Inductor's backward puts it in memory a saved tensor
+    gave back, which the CPU replay backend overwrites around the outputs living there."""
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    def f(x):
+        return torch.sigmoid(x.mean(0))
+
+    jf = thunder.jit(f, executors=[backend.executor, torch_compile_ex, *thunder.get_default_executors()])
+    for x in _fresh(4, lambda: torch.randn(3, 4, device=backend.device, requires_grad=True)):
+        jf(x).sum().backward()
+        expected = x.detach().clone().requires_grad_()
+        f(expected).sum().backward()
+        torch.testing.assert_close(x.grad, expected.grad)
+    assert any(g.given_back for g in _backward_graphs(jf))
 
 
 def test_a_gpt_backward_with_many_inputs_gives_back_saved_memory(backend):
