@@ -3,6 +3,7 @@ eager."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import warnings
@@ -275,6 +276,28 @@ def test_output_that_views_a_copied_input_is_a_view_of_the_callers_tensor(backen
     expected = x_again * w + 1
     out, _ = jf(x_again, w)
     torch.testing.assert_close(out, expected)
+    assert replays(jf, backend.executor) >= 3
+
+
+def test_output_that_views_a_detached_input_requires_grad_as_without_graphs(backend):
+    # ``x.detach().unsqueeze(0)`` views an alias of x that is no view: under no_grad it requires no grad, as without
+    # graphs, where an alias rebuilt as a view of x would; it shares x's memory and version counter either way.
+    def f(x, w):
+        return (x * w).sin(), x.detach().unsqueeze(0), x.t()
+
+    jf, plain = jit(f, backend.executor), thunder.jit(f)
+    w = torch.randn(4, 8, device=backend.device)
+    kept = [torch.randn(4, 8, device=backend.device, requires_grad=True) for _ in range(6)]
+    for call, x in enumerate(kept):
+        with torch.no_grad() if call % 2 else contextlib.nullcontext():
+            outs, expected = jf(x, w), plain(x, w)
+        assert [(o.requires_grad, o.is_leaf) for o in outs] == [(e.requires_grad, e.is_leaf) for e in expected]
+        detached = outs[1]
+        assert detached.data_ptr() == x.data_ptr() and torch.equal(detached, expected[1])
+        version = detached._version
+        with torch.no_grad():
+            x.add_(1)
+        assert detached._version == version + 1
     assert replays(jf, backend.executor) >= 3
 
 

@@ -21,10 +21,10 @@ Outputs the caller never sees
     output and replay. ``liveness`` counts the references to these anchors.
 
 Outputs that alias an input
-    An output that aliases an input (the input itself, a view, a ``detach``) is handed out as the same alias of the
-    caller's tensor, made as eager makes it (its base, version counter and ``requires_grad`` follow the input), also
-    where the graph read a copy of the input; a capture whose input buffer cannot keep the caller's layout fails rather
-    than hand out an alias of the buffer.
+    An output that aliases an input (the input itself, a view, a ``detach``, a view of a ``detach``) is handed out as
+    the same alias of the caller's tensor, made as eager makes it (its version counter follows the input; its base and
+    ``requires_grad`` too unless a ``detach`` lies between them), also where the graph read a copy of the input; a
+    capture whose input buffer cannot keep the caller's layout fails rather than hand out an alias of the buffer.
 
 One tensor at several positions
     One tensor returned at several positions (``shallow_copy`` lowers to the tensor itself) is handed out as one
@@ -42,7 +42,7 @@ import torch
 
 from cudagraphex.capture import CaptureFailed
 
-__all__ = ["Handout", "sharing_one_version", "view_of"]
+__all__ = ["Handout", "alias_kind", "sharing_one_version", "view_of"]
 
 
 class Handout:
@@ -95,7 +95,7 @@ class Handout:
                     )
                 else:
                     offset = out.storage_offset() * out.element_size() - seen.storage_offset() * seen.element_size()
-                    self.borrowed.append((source, (out.dtype, out.shape, out.stride(), offset, out._is_view())))
+                    self.borrowed.append((source, (out.dtype, out.shape, out.stride(), offset, alias_kind(out, seen))))
                 self.anchors.append(None)
                 self.group_of.append(-1)
                 continue
@@ -125,7 +125,7 @@ class Handout:
         #: (output index, anchor): handed out as ``anchor.detach()`` (outputs that share a storage share its version
         #: counter)
         self.detached: list[tuple[int, torch.Tensor]] = []
-        #: (output index, input index, (dtype, size, stride, byte offset, is a view)): an alias of the caller's input
+        #: (output index, input index, (dtype, size, stride, byte offset, alias kind)): an alias of the caller's input
         #: (the input itself where the meta is None)
         self.aliased = [(i, b[0], b[1]) for i, b in enumerate(self.borrowed) if b is not None]
         #: (output index, anchor): handed out as ``anchor.clone()``
@@ -166,14 +166,24 @@ class Handout:
         return out
 
 
+def alias_kind(out: torch.Tensor, seen: torch.Tensor) -> str:
+    """How ``out``, which shares ``seen``'s storage, aliases it: ``"view"`` where its view base is ``seen``'s (autograd
+    follows ``seen``), ``"detached view"`` where it views an alias that is no view (``seen.detach().unsqueeze(0)``),
+    ``"alias"`` where it is no view itself (``detach``)."""
+    if not out._is_view():
+        return "alias"
+    return "view" if out._base is (seen._base if seen._is_view() else seen) else "detached view"
+
+
 def view_of(source: torch.Tensor, meta: tuple) -> torch.Tensor:
     """An alias of ``source`` laid out as ``meta`` (dtype, size, stride, byte offset from ``source``'s first element,
-    whether it is a view), made as eager makes it, in the caller's grad mode. A view's base is ``source``'s and it
-    requires grad where ``source`` does; an alias that is not a view (``detach``) requires no grad. Both share
-    ``source``'s version counter. Another dtype goes through a flat view of the whole storage, which raises (never
-    guesses) where that storage's size or the offset is not a multiple of the new item size."""
-    dtype, size, stride, byte_offset, is_view = meta
-    if not is_view:
+    :func:`alias_kind`), made as eager makes it, in the caller's grad mode. A view's base is ``source``'s and it
+    requires grad where ``source`` does; a detached view views a detached alias of ``source``, and neither it nor an
+    alias that is no view requires grad. All share ``source``'s version counter. Another dtype goes through a flat view
+    of the whole storage, which raises (never guesses) where that storage's size or the offset is not a multiple of the
+    new item size."""
+    dtype, size, stride, byte_offset, kind = meta
+    if kind != "view":
         source = source.detach()
     start = source.storage_offset() * source.element_size() + byte_offset
     if dtype == source.dtype:
@@ -184,7 +194,7 @@ def view_of(source: torch.Tensor, meta: tuple) -> torch.Tensor:
         if start % flat.element_size():
             raise RuntimeError(f"cudagraphex: a {dtype} view at byte {start} of a {source.dtype} input is misaligned")
         alias = flat.as_strided(size, stride, start // flat.element_size())
-    return alias if is_view else alias.detach()
+    return alias.detach() if kind == "alias" else alias
 
 
 def sharing_one_version(storage: torch.UntypedStorage, members: list[tuple[int, torch.Tensor, tuple]]) -> list:

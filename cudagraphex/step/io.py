@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from cudagraphex.runtime.handout import view_of
+from cudagraphex.runtime.handout import alias_kind, view_of
 from cudagraphex.step.state import is_tensor
 
 __all__ = [
@@ -51,7 +51,7 @@ def on_arguments(out: Any, buffers: list[torch.Tensor], args: tuple) -> Any:
             return o
         buf, arg = sources[o.untyped_storage().data_ptr()]
         offset = o.storage_offset() * o.element_size() - buf.storage_offset() * buf.element_size()
-        return view_of(arg, (o.dtype, o.shape, o.stride(), offset, o._is_view()))
+        return view_of(arg, (o.dtype, o.shape, o.stride(), offset, alias_kind(o, buf)))
 
     return pytree.tree_map(rebased, out)
 
