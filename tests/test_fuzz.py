@@ -10,7 +10,8 @@ into a view of a leaf that requires grad, which eager refuses and cudagraphex ru
 ``.detach()``, whole steps whose cotangents plain Thunder makes from outputs it writes only in its backward,
 whole steps whose loss or input write plain Thunder misses where Thunder's torch.compile fusion executor agrees with
 cudagraphex, backwards that cudagraphex refuses for a written input that Thunder's rematerialization saves (both
-agree with it turned off), and values within a tolerance where cudagraphex is as close to eager as plain Thunder.
+agree with it turned off), values within a tolerance where cudagraphex is as close to eager as plain Thunder, and
+writes into outputs that Thunder's autograd function returns as views, refused as without a fusion executor.
 """
 
 from __future__ import annotations
@@ -590,6 +591,38 @@ def test_values_within_a_tolerance_are_excused_where_cudagraphex_is_as_close_to_
     (failure,) = check(program).failures
     assert failure.nearly_equal and failure.symptom == "outN: values (within a tolerance)"
     assert "cudagraphex is as close to eager as plain Thunder or closer" in failure.excused
+
+
+def test_a_write_into_a_view_output_is_excused_where_plain_thunder_refuses_it_without_a_fusion_executor():
+    """``v1 * h0`` uses a host value, so it runs outside graphs and the region after it returns views of it; Thunder's
+    autograd function refuses an in-place write into such an output. Inductor returns a new tensor for the whole
+    chain, so plain Thunder with its fusion executor allows the write, and without it refuses it: excused."""
+    lines = [
+        Line("v0 = x1.unsqueeze(0)[0]", "v0", frozenset({"x1"}), False, "view"),
+        Line("h0 = v0.mean().item()", "h0", frozenset({"v0"}), False, "item"),
+        Line("v1 = x1 * h0", "v1", frozenset({"x1", "h0"}), False, "item"),
+        Line("v2 = v1.reshape(-1).view(v1.shape)", "v2", frozenset({"v1"}), False, "view"),
+    ]
+    program = Program(
+        seed=0,
+        module=True,
+        width=6,
+        batches=(2,),
+        tensors=[TensorSpec("x1", "BD", "x", requires_grad=True)],
+        lines=lines,
+        outputs=["v2"],
+        steps=[
+            Step("call", Mode()),
+            Step("call", Mode(), keep="hold"),
+            Step("write_output", target="c1", variant=4),
+        ],
+        position="first",
+        min_region_size=2,
+        fuser=True,
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 2 and failure.symptom.startswith("raises only with cudagraphex")
+    assert "plain Thunder without its fusion executor refuses it too" in failure.excused
 
 
 def test_a_program_with_a_fusion_executor_is_compared_within_a_tolerance():

@@ -21,23 +21,14 @@ _MISSING = object()
 
 
 def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> None:
-    """Runs the program eagerly beside cudagraphex up to the failing step. When eager PyTorch agrees with cudagraphex on
-    what failed (the same error or none; values within a tolerance, or to the last bit where the difference was within
-    one; metadata only for random programs), plain Thunder is the one that differs, and the failure is excused; a
-    backward that eager refused for a saved tensor written in place does not end the run there, for a failure that is
-    not about gradients (see :func:`_refused_backward`). An output that plain Thunder connects to autograd and
-    cudagraphex does not (its requires_grad, its is_leaf) is excused also where Thunder with a fusion executor of its
-    own agrees with cudagraphex (see :func:`_a_fusion_executor_agrees`), or plain Thunder's backward for the call
-    returns no gradient (:func:`_thunders_backward_has_no_gradient`); so is a backward that plain Thunder refuses for an
-    input written after its forward, where cudagraphex's gradients do not depend on the write (see
-    :func:`_write_not_read`), a write into a view of a leaf that requires grad, which eager refuses and cudagraphex
-    runs as eager runs it through ``.detach()`` (see :func:`_leaf_written_through_a_view`), a whole step whose
-    cotangents plain Thunder makes from outputs it writes only in its backward (see
-    :func:`_cotangents_of_an_unwritten_output`), a backward that cudagraphex refuses for an input written after
-    its forward, which Thunder's rematerialization saves in place of a tensor computed from it (see
-    :func:`_saved_by_rematerialization`), values within a tolerance where cudagraphex is as close to eager as plain
-    Thunder or closer (see :func:`_closer_to_eager`), and a whole step's loss or input write that plain Thunder misses, as
-    it moved the write into a backward, where Thunder with its torch.compile fusion executor agrees with cudagraphex."""
+    """Sets ``failure.excused`` where other runs of the program show that plain Thunder is the one that differs, or
+    that the difference is Thunder's own choice made on other fusions. First by eager PyTorch run beside cudagraphex
+    up to the failing step (:func:`_eager_verdict`); then by the verdicts below, each of which says what it needs:
+    :func:`_write_not_read`, :func:`_leaf_written_through_a_view`, :func:`_cotangents_of_an_unwritten_output`,
+    :func:`_saved_by_rematerialization`, :func:`_closer_to_eager`, :func:`_a_view_as_without_a_fusion_executor`; for
+    an output that plain Thunder connects to autograd and cudagraphex does not, :func:`_a_fusion_executor_agrees` and
+    :func:`_thunders_backward_has_no_gradient`; for a whole step's loss or input write that plain Thunder misses,
+    :data:`_MISSED_BY_A_MOVED_WRITE` where Thunder with its torch.compile fusion executor agrees with cudagraphex."""
     program = failure.program
     if failure.symptom.startswith("raises only without cudagraphex") and _THUNDER_FUNCTION_VIEW in failure.symptom:
         failure.excused = (
@@ -54,6 +45,7 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
         or _cotangents_of_an_unwritten_output(failure, backend, ex)
         or _saved_by_rematerialization(failure, backend, ex)
         or _closer_to_eager(failure, backend, ex)
+        or _a_view_as_without_a_fusion_executor(failure, backend)
     )
     if not failure.excused and _connected_only_by_thunder(failure):
         no_gradient = (
@@ -89,7 +81,11 @@ _MISSED_BY_A_MOVED_WRITE = {
 
 
 def _eager_verdict(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
-    """Why plain Thunder is the one that differs, by eager PyTorch run beside cudagraphex; empty for no verdict."""
+    """Why plain Thunder is the one that differs, by eager PyTorch run beside cudagraphex; empty for no verdict. Eager
+    must agree with cudagraphex on what failed: the same error or none; values within a tolerance, or to the last bit
+    where the difference was within one; metadata only for random programs. A backward that eager refused for a saved
+    tensor written in place does not end the run there, for a failure that is not about gradients
+    (:func:`_refused_backward`)."""
     program = failure.program
     try:
         eager = World(program, backend, "eager", compile_source(program, "eager"))
@@ -282,6 +278,36 @@ def _cotangents_of_an_unwritten_output(failure: Failure, backend: BackendSpec, e
         " from outputs that miss it, where eager and cudagraphex have it; with cotangents of ones both Thunder paths"
         " agree"
     )
+
+
+def _a_view_as_without_a_fusion_executor(failure: Failure, backend: BackendSpec) -> str:
+    """Why only cudagraphex refuses an in-place write into an output of Thunder's autograd function that is a view,
+    where Thunder's fusion executor runs in both; empty for no verdict. Inductor returns a new tensor where a view is
+    asked for; cudagraphex returns the view, as Thunder's other executors do, and autograd refuses writes into views
+    that a custom function returns. The verdict needs plain Thunder without the fusion executor to refuse the write at
+    the same step for the same reason."""
+    program = failure.program
+    if not (
+        program.fuser
+        and failure.symptom.startswith("raises only with cudagraphex")
+        and _THUNDER_FUNCTION_VIEW in failure.symptom
+    ):
+        return ""
+    unfused = dataclasses.replace(program, fuser=False)
+    try:
+        ref = World(unfused, backend, None, compile_source(unfused, "reference without a fusion executor"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return ""
+    steps = unfused.steps[: failure.step + 1]
+    for index, (r,) in lockstep(unfused, (ref,), steps, seeded=not program.threads):
+        if r.raised is not None:
+            if index == failure.step and _THUNDER_FUNCTION_VIEW in normalise(str(r.raised)):
+                return (
+                    "Thunder's autograd function refuses a write into an output that is a view, which Inductor"
+                    " returns as a new tensor; plain Thunder without its fusion executor refuses it too"
+                )
+            return ""
+    return ""
 
 
 def _closer_to_eager(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
