@@ -508,6 +508,27 @@ def test_last_position_wraps_another_executors_fusion():
     assert "TorchCompile" in str(thunder.last_traces(jm)[-1])
 
 
+def test_rematerialization_never_recomputes_an_in_place_write(backend):
+    # With Thunder's torch.compile executor after cudagraphex, rematerialization would make the backward graph
+    # recompute the attention's key from s as it was before the forward wrote it, and so write s a second time.
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    def f(x, s):
+        s.mul_(0.9).add_(s.detach())
+        return torch.nn.functional.scaled_dot_product_attention(x[None], s[None], x[None])[0]
+
+    jf = thunder.jit(f, executors=[backend.executor, torch_compile_ex, *thunder.get_default_executors()])
+    for _ in range(4):
+        x = torch.randn(3, 6, device=backend.device, requires_grad=True)
+        s = torch.randn(3, 6, device=backend.device)
+        x_ref, s_ref = x.detach().clone().requires_grad_(), s.clone()
+        out, expected = jf(x, s), f(x_ref, s_ref)
+        out.sum().backward()
+        expected.sum().backward()
+        torch.testing.assert_close((out, s, x.grad), (expected, s_ref, x_ref.grad))
+    assert replays(jf, backend.executor) >= 2
+
+
 class HalvedWeight(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

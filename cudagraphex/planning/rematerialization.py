@@ -8,6 +8,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 
 from cudagraphex.planning.regions import RegionSpec
+from cudagraphex.planning.symbols import writes_in_place
 
 __all__ = ["refused_rematerialization"]
 
@@ -39,7 +40,8 @@ def refused_rematerialization(
             built: a consumer may recompute from their members.
 
     As a producer, the region keeps its planned outputs, and returns no cut, unless every op computing the tensors it
-    stopped returning is fused: a graph output nobody reads would hold its memory for as long as the graph lives. As
+    stopped returning is fused and no in-place write feeds them (the consumer would run the write again): a graph
+    output nobody reads would hold its memory for as long as the graph lives. As
     a consumer, it drops each recomputed op whose result an earlier region returns (again), and the ops only those
     fed. Thunder hands regions back in trace order, so every producer has decided before its consumers; a producer
     that Thunder's dead-code elimination removed is not in ``earlier``, and what it computed stays recomputed. A fusion
@@ -51,8 +53,9 @@ def refused_rematerialization(
     """
     returned = {p.name for p in outputs}
     dropped = {p.name for p in planned.outputs} - returned
-    computing = [b for b in (*members, *planned.bound_symbols) if any(p.name in dropped for p in b.flat_proxy_outs)]
-    if dropped and not all(map(fused, computing)):
+    known = (*members, *planned.bound_symbols)
+    computing = [b for b in known if any(p.name in dropped for p in b.flat_proxy_outs)]
+    if dropped and (not all(map(fused, computing)) or _fed_by_a_write(known, dropped)):
         outputs = list(planned.outputs)
     recomputable = [*(b for spec in removed for b in spec.bound_symbols), *planned.bound_symbols]
     members = _restore_lost_members(recomputable, members, {p.name for p in inputs}, outputs)
@@ -81,6 +84,23 @@ def refused_rematerialization(
             f"cudagraphex: after rematerialization a graph would read {missing}, which no earlier graph returns"
         )
     return kept, _inputs_read(kept, candidates), outputs
+
+
+def _fed_by_a_write(bsyms: Iterable[BoundSymbol], names: Iterable[str]) -> bool:
+    """Whether an in-place write among ``bsyms`` feeds one of ``names``: a consumer recomputing them from before the
+    write would run it again, on the tensor it already wrote."""
+    producer = {p.name: b for b in bsyms for p in b.flat_proxy_outs}
+    seen: set[int] = set()
+    pending = list(names)
+    while pending:
+        bsym = producer.get(pending.pop())
+        if bsym is None or id(bsym) in seen:
+            continue
+        if writes_in_place(bsym):
+            return True
+        seen.add(id(bsym))
+        pending += [p.name for p in bsym.flat_proxy_args]
+    return False
 
 
 def _identity(bsym: BoundSymbol) -> tuple:

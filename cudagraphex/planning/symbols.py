@@ -24,6 +24,7 @@ __all__ = [
     "input_aliases",
     "rng_state_inputs",
     "source_line",
+    "writes_in_place",
 ]
 
 
@@ -139,6 +140,11 @@ def _writes(bsym: BoundSymbol) -> list[BoundSymbol]:
     if bsym.sym.executor is None or bsym.sym.is_fusion:
         return [w for sub in bsym.subsymbols for w in _writes(sub)]
     return []
+
+
+def writes_in_place(bsym: BoundSymbol) -> bool:
+    """Whether running ``bsym`` runs a ``copy_`` (itself, or inside a decomposition or another executor's fusion)."""
+    return bool(_writes(bsym))
 
 
 def _may_alias_input(bsym: BoundSymbol) -> bool:
