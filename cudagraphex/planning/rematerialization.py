@@ -40,13 +40,13 @@ def refused_rematerialization(
             built: a consumer may recompute from their members.
 
     As a producer, the region keeps its planned outputs, and returns no cut, unless every op computing the tensors it
-    stopped returning is fused and no in-place write feeds them (the consumer would run the write again): a graph
-    output nobody reads would hold its memory for as long as the graph lives. As
-    a consumer, it drops each recomputed op whose result an earlier region returns (again), and the ops only those
-    fed. Thunder hands regions back in trace order, so every producer has decided before its consumers; a producer
-    that Thunder's dead-code elimination removed is not in ``earlier``, and what it computed stays recomputed. A fusion
-    of another executor that recomputes from a refused producer's cut is not supported (it would read a tensor that no
-    longer exists); executors after cudagraphex only form fusions of what it left out.
+    stopped returning is fused and no in-place write feeds them (the consumer would run the write again): a graph output
+    nobody reads would hold its memory for as long as the graph lives. As a consumer, it drops each recomputed op whose
+    result an earlier region returns (again), and the ops only those fed. Thunder hands regions back in trace order, so
+    every producer has decided before its consumers; a producer that Thunder's dead-code elimination removed is not in
+    ``earlier``, and what it computed stays recomputed. A fusion of another executor that recomputes from a refused
+    producer's cut is not supported (it would read a tensor that no longer exists); executors after cudagraphex only
+    form fusions of what it left out.
 
     Raises:
         RuntimeError: if the rebuilt region would read a tensor that no earlier region returns.
