@@ -119,9 +119,14 @@ def _compare_stats(x: torch.Tensor, y: torch.Tensor) -> str | None:
     return None
 
 
+def abs_difference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``|x - y|`` elementwise in float64, a NaN on either side counting as an infinite difference."""
+    return (x.double() - y.double()).abs().nan_to_num(float("inf"))
+
+
 def _diff(x: torch.Tensor, y: torch.Tensor) -> str:
     try:
-        d = (x.double() - y.double()).abs().nan_to_num(float("inf"))
+        d = abs_difference(x, y)
         return f"max abs diff {float(d.max()):.3g} at flat index {int(d.argmax())} of {x.numel()}"
     except Exception:  # noqa: BLE001 - a description only
         return "(not comparable)"

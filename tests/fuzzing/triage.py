@@ -13,9 +13,9 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
 from cudagraphex import CUDAGraphExecutor
-from tests.fuzzing.compare import Failure, compare_step, compare_value, normalise, value_mode
+from tests.fuzzing.compare import Failure, abs_difference, compare_step, compare_value, normalise, value_mode
 from tests.fuzzing.programs import Line, Program, Step
-from tests.fuzzing.world import BackendSpec, Observations, World, compile_source, lockstep
+from tests.fuzzing.world import BackendSpec, Observations, TensorSnapshot, World, compile_source, lockstep
 
 _MISSING = object()
 
@@ -341,9 +341,9 @@ def _largest_difference(a: Any, b: Any) -> float:
     """The largest absolute difference between two observed values (tensors, or sequences of them)."""
     if isinstance(a, (list, tuple)):
         return max((_largest_difference(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
-    if not hasattr(a, "value"):
+    if not isinstance(a, TensorSnapshot):
         return 0.0 if a == b else float("inf")
-    difference = (a.value.double() - b.value.double()).abs().nan_to_num(float("inf"))
+    difference = abs_difference(a.value, b.value)
     return float(difference.max()) if difference.numel() else 0.0
 
 
