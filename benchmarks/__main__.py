@@ -33,44 +33,34 @@ EXIT_STATUS = (
 def _names(kind: str, choices: Sequence[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         names = [n.strip() for n in text.split(",") if n.strip()]
-        unknown = [n for n in names if n not in choices]
-        if not names or unknown:
-            raise argparse.ArgumentTypeError(
-                f"unknown {kind} {', '.join(repr(n) for n in unknown)} (choose from: {', '.join(choices)})"
-                if unknown
-                else f"no {kind} given"
-            )
+        unknown = ", ".join(repr(n) for n in names if n not in choices)
+        if unknown or not names:
+            message = f"unknown {kind} {unknown} (choose from: {', '.join(choices)})" if unknown else f"no {kind} given"
+            raise argparse.ArgumentTypeError(message)
         return names
 
     return parse
 
 
-def _help_epilog() -> str:
-    """The names ``--workloads``, ``--modes`` and ``--variants`` take, and the exit status, wrapped without breaking a
-    name (``mlp16x256-b8``) across lines."""
-    only = [v for v in VARIANTS if variant_modes(v) != MODES]
-    lines = (
-        f"workloads: {', '.join(WORKLOADS)}",
-        f"modes: {', '.join(MODES)}",
-        f"variants: {', '.join(VARIANTS)} (train_step only: {', '.join(only)})",
-        EXIT_STATUS,
-    )
-    return "\n".join(
-        textwrap.fill(line, 78, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False)
-        for line in lines
-    )
+def _wrapped(line: str) -> str:
+    """``line`` wrapped at 78 columns without breaking a name (``mlp16x256-b8``) across lines."""
+    return textwrap.fill(line, 78, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the command line; exits with status 2 and a message naming the bad value on an unknown name."""
+    only = ", ".join(v for v in VARIANTS if variant_modes(v) != MODES)
+    names = (
+        f"workloads: {', '.join(WORKLOADS)}",
+        f"modes: {', '.join(MODES)}",
+        f"variants: {', '.join(VARIANTS)} (train_step only: {only})",
+        EXIT_STATUS,
+    )
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description=textwrap.fill(
-            "Benchmarks of cudagraphex against eager, Thunder, CUDAGraphTransform, torch.compile and hand-captured "
-            "CUDA graphs. Without a GPU, prints the capture plan instead.",
-            78,
-        ),
-        epilog=_help_epilog(),
+        description="Benchmarks of cudagraphex against eager, Thunder, CUDAGraphTransform, torch.compile and\n"
+        "hand-captured CUDA graphs. Without a GPU, prints the capture plan instead.",
+        epilog="\n".join(_wrapped(line) for line in names),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--workloads", type=_names("workload", list(WORKLOADS)), help="comma-separated; default all")
@@ -86,9 +76,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=None, help="timed rounds per measurement (default 15, quick 3)")
     parser.add_argument("--quick", action="store_true", help="fewer and shorter rounds")
     parser.add_argument(
-        "--merge",
-        action="store_true",
-        help="keep the records of the results file of the same date and GPU that this run does not redo",
+        "--merge", action="store_true", help="keep the records of the same date's file that this run does not redo"
     )
     parser.add_argument(
         "--budget-s",
@@ -151,29 +139,29 @@ def _run_gpu(args: argparse.Namespace, device: Any = None) -> int:
     if suite.host_breakdown:
         print(f"\nHost cost of a replay (micro-100ops):\n{host_breakdown_text(suite.host_breakdown)}")
     print("\nTime per workload: " + ", ".join(f"{k} {v:.0f} s" for k, v in suite.seconds_per_workload.items()))
-    skipped: dict[str, set[str]] = {}
+    skipped: dict[str, list[str]] = {}
     for r in records:
         if (r.error or "").startswith(SKIPPED_FOR_TIME):
-            skipped.setdefault(r.workload, set()).add(r.variant)
+            skipped.setdefault(r.workload, []).append(r.variant)
     if skipped:
         print("Skipped for time; to measure them and merge them into these results:")
         for workload, variants in skipped.items():
-            names = ",".join(v for v in VARIANTS if v in variants)
+            names = ",".join(dict.fromkeys(variants))
             what = "--micro" if workload == "micro-100ops" else f"--workloads {workload} --variants '{names}'"
             print(f"  python -m benchmarks --merge {what}")
     print(f"Total {time.monotonic() - start:.0f} s. Results in {args.out}: {', '.join(p.name for p in paths.values())}")
-    failed = suite.failures()
-    modes: dict[tuple[str, str], list[str]] = {}
-    for r in failed:
-        modes.setdefault((r.workload, r.variant), []).append(r.mode)
-    which = "; ".join(f"{w} / {v} ({', '.join(m)})" for (w, v), m in modes.items())
-    print(f"FAILED: {len(failed)} task(s) failed: {which}" if failed else "No task failed.", flush=True)
+    failed: dict[tuple[str, str], list[str]] = {}
+    for r in suite.failures():
+        failed.setdefault((r.workload, r.variant), []).append(r.mode)
+    which = "; ".join(f"{w} / {v} ({', '.join(m)})" for (w, v), m in failed.items())
+    count = sum(map(len, failed.values()))
+    print(f"FAILED: {count} task(s) failed: {which}" if failed else "No task failed.", flush=True)
     return 1 if failed else 0
 
 
 def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_s: float) -> dict[str, Any]:
-    """The results file's ``meta``: the machine, where the fields are defined, and ``runs``, one entry per invocation
-    whose records the file holds (this one; ``--merge`` adds the earlier ones that still hold one)."""
+    """The results file's ``meta``: the machine and ``runs``, one entry per invocation whose records the file holds
+    (this one; ``--merge`` adds the earlier ones that still hold one)."""
     import torch
 
     from benchmarks.report import commit, versions
@@ -212,8 +200,7 @@ def _meta(args: argparse.Namespace, suite: Any, gpu: str, started: str, elapsed_
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the main job; returns the exit status."""
     args = parse_args(argv)
-    # Thunder warns on import about an optional executor this suite does not use.
-    warnings.filterwarnings("ignore", message="transformer_engine module not found")
+    warnings.filterwarnings("ignore", message="transformer_engine module not found")  # Thunder's, on import
     import torch
 
     if torch.cuda.is_available():

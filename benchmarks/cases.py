@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["MODES", "Case", "StepStart", "copy_of", "make_optimizer", "module_case", "params_of", "train_step"]
-
 MODES = ("inference", "train_step")
 
 

@@ -17,20 +17,6 @@ import torch
 from benchmarks.cases import module_case
 from benchmarks.workloads import Setup, Workload
 
-__all__ = [
-    "MemoryBase",
-    "Options",
-    "Prepared",
-    "block_us",
-    "compare",
-    "free_memory",
-    "iters_per_block",
-    "prepare",
-    "rare_gc",
-    "time_per_call_us",
-]
-
-
 MAX_ITERS_PER_REP = 5000
 
 
@@ -141,18 +127,11 @@ def prepare(workload: Workload, modes: Sequence[str], device: torch.device) -> P
     return prepared
 
 
-@dataclass(frozen=True)
-class MemoryBase:
-    """Bytes allocated and reserved on a device at one moment (zeros off CUDA)."""
-
-    allocated: int
-    reserved: int
-
-    @staticmethod
-    def now(device: torch.device) -> MemoryBase:
-        if device.type != "cuda":
-            return MemoryBase(0, 0)
-        return MemoryBase(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
+def memory_now(device: torch.device) -> tuple[int, int]:
+    """Bytes allocated and reserved on ``device`` now (zeros off CUDA)."""
+    if device.type != "cuda":
+        return 0, 0
+    return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
 
 @contextlib.contextmanager

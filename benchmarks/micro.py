@@ -31,8 +31,6 @@ import torch
 
 from benchmarks.report import Record, full_error, short_error
 
-__all__ = ["K_VALUES", "MICRO_MEASUREMENTS", "MICRO_WORKLOAD", "hundred_ops", "hundred_outputs", "run_micro"]
-
 MICRO_WORKLOAD = "micro-100ops"
 K_VALUES = (1, 8, 32)
 _NUMEL = 1024

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -119,33 +118,6 @@ def thunder_nanogpt(config) -> nn.Module:
     return _LogitsOrLoss(ThunderGPT(config))
 
 
-def conv_bn(channels: int = 8) -> nn.Sequential:
-    """A small conv + BatchNorm + ReLU network (BatchNorm updates its running statistics in training mode)."""
-    return nn.Sequential(
-        nn.Conv2d(3, channels, 3, padding=1),
-        nn.BatchNorm2d(channels),
-        nn.ReLU(),
-        nn.Conv2d(channels, channels, 3, padding=1),
-        nn.BatchNorm2d(channels),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(channels, 10),
-    )
-
-
-def cache_state(layers: Iterable) -> nn.Module:
-    """A module whose buffers are the tensors of a transformers cache's ``layers`` (keys, values and, where a layer
-    keeps it in a tensor, its write counter), so that ``cudagraphex.graph_step`` guards them as a step's state."""
-    state = nn.Module()
-    for i, layer in enumerate(layers):
-        state.register_buffer(f"keys_{i}", layer.keys, persistent=False)
-        state.register_buffer(f"values_{i}", layer.values, persistent=False)
-        if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
-            state.register_buffer(f"length_{i}", layer.cumulative_length, persistent=False)
-    return state
-
-
 class LlamaDecodeStep(nn.Module):
     """One-token decode steps of a Hugging Face ``LlamaForCausalLM`` against a static KV cache kept as state.
 
@@ -178,7 +150,13 @@ class LlamaDecodeStep(nn.Module):
         self.cache_kwarg = cache_kwarg
         self.counted = hasattr(cache.layers[0], "cumulative_length")
         self.register_buffer("kv_positions", torch.arange(max_cache_len), persistent=False)
-        self.kv = cache_state(cache.layers)
+        # The cache's tensors as buffers, so that graph_step guards them as the step's state.
+        self.kv = nn.Module()
+        for i, layer in enumerate(cache.layers):
+            self.kv.register_buffer(f"keys_{i}", layer.keys, persistent=False)
+            self.kv.register_buffer(f"values_{i}", layer.values, persistent=False)
+            if self.counted:
+                self.kv.register_buffer(f"length_{i}", layer.cumulative_length, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         if self.counted:

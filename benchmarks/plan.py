@@ -13,8 +13,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["show_plan"]
-
 
 def show_plan(workloads: Sequence[str], modes: Sequence[str], out: Callable[[str], None] = print) -> list[str]:
     """Prints, for each workload, the cudagraphex capture plan of its (reduced) model on the CPU; returns the names of

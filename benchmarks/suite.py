@@ -29,13 +29,13 @@ import torch
 
 from benchmarks.cases import Case
 from benchmarks.measure import (
-    MemoryBase,
     Options,
     Prepared,
     block_us,
     compare,
     free_memory,
     iters_per_block,
+    memory_now,
     prepare,
     rare_gc,
     time_per_call_us,
@@ -44,8 +44,6 @@ from benchmarks.micro import MICRO_MEASUREMENTS, MICRO_WORKLOAD, run_micro
 from benchmarks.report import SKIPPED_FOR_TIME, Record, full_error, short_error
 from benchmarks.variants import REDUCE_OVERHEAD, VARIANTS, graph_executor, make_variant, variant_modes
 from benchmarks.workloads import WORKLOADS, Workload
-
-__all__ = ["Suite"]
 
 SETUP_CALLS = 3
 MEMORY_CALLS = 3
@@ -82,10 +80,7 @@ class Suite:
         self.modes = tuple(modes)
         order = (REDUCE_OVERHEAD, *(v for v in VARIANTS if v != REDUCE_OVERHEAD))
         self.variants = tuple(v for v in order if v in variants)
-        self.options = options
-        self.micro = micro
-        self.progress = progress
-        self.log = log
+        self.options, self.micro, self.progress, self.log = options, micro, progress, log
         self.records: list[Record] = []
         self.host_breakdown: dict | None = None
         self.seconds_per_workload: dict[str, float] = {w.name: 0.0 for w in self.workloads}
@@ -121,7 +116,21 @@ class Suite:
         it was not measured)."""
         return [r for r in self.records if r.error and not r.error.startswith(SKIPPED_FOR_TIME)]
 
-    # -- one workload ----------------------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _skip_reason(self, *, budget: bool = True) -> str | None:
+        if self.broken:
+            return f"skipped: the CUDA context failed earlier ({self.broken})"
+        limit = self.options.budget_s
+        if budget and limit > 0 and time.monotonic() - self._start + self._longest_s > limit:
+            return f"{SKIPPED_FOR_TIME} (--budget-s {limit:g})"
+        return None
+
+    def _add(self, record: Record) -> None:
+        self.records.append(record)
+        self.progress(f"{record.workload} {record.variant} {record.mode}")
 
     def _run_workload(self, workload: Workload) -> None:
         compiled: list[tuple[str, object]] = []
@@ -135,20 +144,20 @@ class Suite:
         free_memory(self.device)
         for variant in self.variants:
             modes = self.modes_of(workload, variant)
-            if not modes:
-                continue
             reason = self._skip_reason() if prepared is not None else failure
-            if reason:
-                self._skip(workload, variant, modes, reason)
-                continue
-            start = time.monotonic()
-            kept = self._run_variant(workload, variant, modes, prepared)
-            if kept is not None:
-                compiled.append((variant, kept))
-            took = time.monotonic() - start
-            self._longest_s = max(self._longest_s, took)
-            self.seconds_per_workload[workload.name] += took
-            self.log(f"{workload.name} / {variant}: {len(modes)} mode(s) in {took:.1f} s")
+            if modes and reason:
+                self.log(f"{workload.name} / {variant}: {reason}")
+                for mode in modes:
+                    self._add(Record(workload.name, mode, variant, error=reason))
+            elif modes:
+                start = time.monotonic()
+                kept = self._run_variant(workload, variant, modes, prepared)
+                if kept is not None:
+                    compiled.append((variant, kept))
+                took = time.monotonic() - start
+                self._longest_s = max(self._longest_s, took)
+                self.seconds_per_workload[workload.name] += took
+                self.log(f"{workload.name} / {variant}: {len(modes)} mode(s) in {took:.1f} s")
         if prepared is not None:
             self._time_interleaved(workload, prepared, compiled)
         compiled.clear()
@@ -156,23 +165,9 @@ class Suite:
             torch._dynamo.reset()
         free_memory(self.device)
 
-    def _skip_reason(self, *, budget: bool = True) -> str | None:
-        if self.broken:
-            return f"skipped: the CUDA context failed earlier ({self.broken})"
-        limit = self.options.budget_s
-        if budget and limit > 0 and time.monotonic() - self._start + self._longest_s > limit:
-            return f"{SKIPPED_FOR_TIME} (--budget-s {limit:g})"
-        return None
-
-    def _skip(self, workload: Workload, variant: str, modes: Sequence[str], reason: str) -> None:
-        self.log(f"{workload.name} / {variant}: {reason}")
-        for mode in modes:
-            self.records.append(Record(workload.name, mode, variant, error=reason))
-            self.progress(f"{workload.name} {variant} {mode}")
-
     def _run_variant(self, workload: Workload, variant: str, modes: Sequence[str], prepared: Prepared):
         """Sets ``variant`` up and measures it in ``modes``; returns the compiled variant (None if compiling failed)."""
-        base = MemoryBase.now(self.device)
+        base = memory_now(self.device)
         records = [Record(workload.name, mode, variant) for mode in modes]
         try:
             compiled = make_variant(variant, prepared.setup.fresh_model, self.graph_executor)
@@ -184,37 +179,19 @@ class Suite:
                 record.error = record.error or self._skip_reason(budget=False)
                 if not record.error:
                     self._measure(record, compiled, prepared, base)
-            self.records.append(record)
-            self.progress(f"{workload.name} {variant} {record.mode}")
+            self._add(record)
         gc.collect()
         return compiled
 
-    def _measure_memory(self, record: Record, case: Case, base: MemoryBase) -> None:
-        """The peaks of the setup just run and of a few calls after it, read before the correctness check, whose
-        copies and norms are not the variant's memory."""
-        setup_peak = torch.cuda.max_memory_allocated(self.device)
-        setup_reserved = torch.cuda.max_memory_reserved(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        for _ in range(MEMORY_CALLS):
-            case.call()
-        self._sync()
-        steady_peak = torch.cuda.max_memory_allocated(self.device)
-        record.steady_peak_mem_bytes = steady_peak - base.allocated
-        record.peak_mem_bytes = max(setup_peak, steady_peak) - base.allocated
-        reserved = max(setup_reserved, torch.cuda.max_memory_reserved(self.device))
-        record.peak_reserved_bytes = reserved - base.reserved
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _measure(self, record: Record, compiled, prepared: Prepared, base: MemoryBase) -> None:
-        """Setup time, correctness and peak memory of one mode (the module docstring)."""
+    def _measure(self, record: Record, compiled, prepared: Prepared, base: tuple[int, int]) -> None:
+        """Setup time, peak memory and correctness of one mode (the module docstring); reduce-overhead's time too.
+        The peaks are read before the correctness check, whose copies are not the variant's memory."""
         case: Case | None = None
         notes: list[str] = []
         skips = _cudagraph_skips()
+        cuda = self.device.type == "cuda"
         try:
-            if self.device.type == "cuda":
+            if cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
             # Warnings are collected while compiling and capturing (where graph fallbacks are reported), not while
             # timing, so that a warning repeated on every call costs what it costs users.
@@ -228,11 +205,23 @@ class Suite:
                         case.call()
                     self._sync()
                 record.setup_s = time.perf_counter() - start
-                if self.device.type == "cuda":
-                    self._measure_memory(record, case, base)
+                if cuda:
+                    setup_peak = torch.cuda.max_memory_allocated(self.device)
+                    setup_reserved = torch.cuda.max_memory_reserved(self.device)
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                    for _ in range(MEMORY_CALLS):
+                        case.call()
+                    self._sync()
+                    steady_peak = torch.cuda.max_memory_allocated(self.device)
+                    record.steady_peak_mem_bytes = steady_peak - base[0]
+                    record.peak_mem_bytes = max(setup_peak, steady_peak) - base[0]
+                    reserved = max(setup_reserved, torch.cuda.max_memory_reserved(self.device))
+                    record.peak_reserved_bytes = reserved - base[1]
                 expected = prepared.expected[record.mode]
                 record.correct, record.rel_err = compare(case.collect(), expected, prepared.setup.dtype)
-            notes += _graph_warnings(caught)
+            # The first three distinct warnings that say a graph was not used (capture failures, graph budgets).
+            texts = [str(w.message).splitlines()[0][:200] for w in caught if str(w.message)]
+            notes += list(dict.fromkeys(t for t in texts if "graph" in t.lower()))[:3]
             if record.variant == REDUCE_OVERHEAD:
                 record.median_us = time_per_call_us(case.call, self._sync, self.options)
                 if _cudagraph_skips() > skips:
@@ -248,7 +237,7 @@ class Suite:
                 with contextlib.suppress(Exception):
                     case.close()
             del case
-        record.note = "; ".join(n for n in notes if n) or None
+        record.note = "; ".join(notes) or None
 
     def _time_interleaved(self, workload: Workload, prepared: Prepared, compiled: list[tuple[str, object]]) -> None:
         """Times the variants set up without error, mode by mode, in rounds (the module docstring)."""
@@ -256,6 +245,7 @@ class Suite:
         start = time.monotonic()
         for mode in self.modes_of(workload):
             cases: dict[str, tuple[Case, int, Record]] = {}
+            times: dict[str, list[float]] = {}
             try:
                 for variant, variant_compiled in compiled:
                     record = records.get((mode, variant))
@@ -264,9 +254,9 @@ class Suite:
                     try:
                         case = variant_compiled.case(mode, prepared.setup.args(mode), prepared.grad_out)
                         cases[variant] = (case, iters_per_block(case.call, self._sync, self.options), record)
+                        times[variant] = []
                     except Exception as e:  # noqa: BLE001 - recorded; the other variants go on
                         self._failed([record], e, f"{workload.name} / {variant} / {mode}: timing", "timing: ")
-                times: dict[str, list[float]] = {variant: [] for variant in cases}
                 for _ in range(max(1, self.options.reps)):
                     for variant, (case, iters, record) in cases.items():
                         if record.error is None and not self.broken:
@@ -317,24 +307,11 @@ class Suite:
         free_memory(self.device)
 
 
-def _graph_warnings(caught: Sequence[warnings.WarningMessage]) -> list[str]:
-    """The first three distinct warnings that say a graph was not used (capture failures, graph budgets)."""
-    seen = []
-    for w in caught:
-        text = str(w.message).splitlines()[0][:200] if str(w.message) else ""
-        if "graph" in text.lower() and text not in seen:
-            seen.append(text)
-    return seen[:3]
-
-
 def _cudagraph_skips() -> int:
     """How often inductor has fallen back from CUDA graphs in this process (reduce-overhead's silent failure)."""
-    try:
-        from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters
 
-        return int(counters["inductor"]["cudagraph_skips"])
-    except Exception:  # noqa: BLE001 - a diagnostic only
-        return 0
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def _cudagraphex_summary(explained: object) -> str:
@@ -349,10 +326,10 @@ def _cudagraphex_summary(explained: object) -> str:
         return "; ".join(line.strip() for line in str(report).splitlines())
     regions = report.regions
     given_back = sum(g.given_back_bytes for r in regions for g in r.graphs)
-    text = (
+    failed = ", ".join(r.name for r in regions if r.disabled_reason)
+    return (
         f"cudagraphex: {len(regions)} region(s), {report.num_graphs} graph(s), {sum(r.replays for r in regions)}"
         f" replay(s), {report.pool_bytes / 2**20:.0f} MiB in pools, peak raised by"
         f" {report.peak_added_bytes / 2**20:.0f} MiB, {given_back / 2**20:.0f} MiB of saved tensors given back"
+        + (f", capture failed in {failed}" if failed else "")
     )
-    failed = [r.name for r in regions if r.disabled_reason]
-    return text + (f", capture failed in {', '.join(failed)}" if failed else "")

@@ -25,16 +25,6 @@ from torch import nn
 
 from benchmarks.cases import MODES, Case, StepStart, copy_of, make_optimizer, module_case, params_of, train_step
 
-__all__ = [
-    "REDUCE_OVERHEAD",
-    "STEP_VARIANTS",
-    "VARIANTS",
-    "graph_executor",
-    "make_variant",
-    "thunder_options",
-    "variant_modes",
-]
-
 REDUCE_OVERHEAD = "torch.compile(reduce-overhead)"
 VARIANTS = (
     "eager",

@@ -17,8 +17,6 @@ from torch import nn
 from benchmarks.cases import MODES
 from benchmarks.models import GPT, CausalLMLoss, GPTConfig, llama_1b_config, llama_decode, mlp, thunder_nanogpt
 
-__all__ = ["WORKLOADS", "Setup", "Workload", "transformers_available"]
-
 
 @dataclass
 class Setup:
@@ -57,12 +55,8 @@ class Workload:
     needs_transformers: bool = False
 
 
-def _seeded(seed: int = 0) -> None:
-    torch.manual_seed(seed)
-
-
 def _build_mlp(device: torch.device, plan: bool) -> Setup:
-    _seeded()
+    torch.manual_seed(0)
     depth = 4 if plan else 16
     model = mlp(depth, 256).to(device)
     x = torch.randn(8, 256, device=device)
@@ -74,7 +68,7 @@ def _gpt_setup(
     config, batch: int, tokens: int, device: torch.device, dtype: torch.dtype, make: Callable[..., nn.Module] = GPT
 ) -> Setup:
     """``make(config)`` (a GPT that returns the loss when given targets) and random tokens and targets."""
-    _seeded()
+    torch.manual_seed(0)
     model = make(config).to(device=device, dtype=dtype)
     idx = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
     targets = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
@@ -124,7 +118,7 @@ def _build_gpt12(device: torch.device, plan: bool) -> Setup:
 
 
 def _build_llama(device: torch.device, plan: bool) -> Setup:
-    _seeded()
+    torch.manual_seed(0)
     if plan:
         sizes = {"num_layers": 1, "hidden_size": 128, "num_heads": 4, "intermediate_size": 352, "vocab_size": 1000}
         sizes["max_cache_len"] = 64
@@ -143,7 +137,7 @@ def _build_llama(device: torch.device, plan: bool) -> Setup:
 def _build_llama_train(device: torch.device, plan: bool) -> Setup:
     from transformers import LlamaForCausalLM
 
-    _seeded()
+    torch.manual_seed(0)
     dtype = torch.float32 if plan else torch.bfloat16
     batch, tokens = (1, 32) if plan else (2, 1024)
     model = CausalLMLoss(LlamaForCausalLM(llama_1b_config(tiny=plan, layers=1 if plan else 4)))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import thunder
 import torch
 from thunder.extend import register_executor
+from torch import nn
 
 from benchmarks.models import GPT, GPTConfig
 from cudagraphex import CUDAGraphExecutor, cudagraphex, inspect
@@ -121,3 +122,18 @@ def with_item(x):
     y = torch.sin(x) * 2 + 1
     s = y.sum().item()  # a host read in the middle: the graph breaks here
     return (torch.cos(y) * 3 + x).exp() * s
+
+
+def conv_bn(channels: int = 8) -> nn.Sequential:
+    """A small conv + BatchNorm + ReLU network (BatchNorm updates its running statistics in training mode)."""
+    return nn.Sequential(
+        nn.Conv2d(3, channels, 3, padding=1),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(),
+        nn.Conv2d(channels, channels, 3, padding=1),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(channels, 10),
+    )

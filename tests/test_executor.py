@@ -14,11 +14,12 @@ import thunder
 import torch
 from thunder.extend import FusionExecutor, OperatorExecutor, get_executor, register_executor
 
-from benchmarks.models import GPT, GPTConfig, conv_bn, mlp
+from benchmarks.models import GPT, GPTConfig, mlp
 from cudagraphex import CUDAGraphExecutor, cudagraphex, explain, inspect
 from cudagraphex.planning.static_inputs import InputKind
 from tests.helpers import (
     assert_grads_close,
+    conv_bn,
     emulated,
     graphs,
     jit,

@@ -6,10 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.models import conv_bn
 from cudagraphex.planning.static_inputs import InputKind
 from tests.contract.scenarios import accumulate
-from tests.helpers import emulated, jit, protection_off, regions, replays, twin
+from tests.helpers import conv_bn, emulated, jit, protection_off, regions, replays, twin
 
 
 def test_input_written_in_place_and_returned_is_returned_as_itself(backend):
