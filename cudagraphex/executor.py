@@ -40,7 +40,7 @@ from cudagraphex.capture import backend_for
 from cudagraphex.compat.trusted_parameters import TRUSTED_ATTRIBUTE
 from cudagraphex.planning.host_reads import unfused_host_reads
 from cudagraphex.planning.regions import RegionSpec, plan_regions, static_outputs, trace_kind
-from cudagraphex.planning.rematerialization import refused_rematerialization
+from cudagraphex.planning.rematerialization import behind_barriers, not_recomputable, refused_rematerialization
 from cudagraphex.planning.safety import unsafe_reason
 from cudagraphex.planning.static_inputs import classify_inputs, static_names
 from cudagraphex.planning.symbols import count_ops, input_aliases, rng_state_inputs
@@ -189,10 +189,13 @@ class CUDAGraphExecutor(FusionExecutor):
         graph_outputs = set(earlier_outputs)
         bsyms: list[BoundSymbol] = []
         earlier: list[str] = []
-        for item in plan.sequence:
+        # Only a fusion pass after this one rematerializes (see planning/rematerialization).
+        rematerialized = any(isinstance(ex, FusionExecutor) for ex in inner)
+        wrong = not_recomputable(plan.sequence) if rematerialized else {}
+        for index, item in enumerate(plan.sequence):
             if isinstance(item, RegionSpec):
                 fusion = _Fusion(
-                    item,
+                    dataclasses.replace(item, not_recomputable=wrong.get(index, frozenset())),
                     None,
                     frozenset(graph_outputs),
                     frozenset(declared),
@@ -211,7 +214,8 @@ class CUDAGraphExecutor(FusionExecutor):
             graphs.forward_caller_outputs = plan.caller_outputs
 
         fused = from_trace(trace)
-        fused.bound_symbols = bsyms
+        with tracectx(fused):
+            fused.bound_symbols = behind_barriers(bsyms, wrong, lambda b: b.sym.executor is self and b.sym.is_fusion)
         # Symbols this executor claimed but left out of every graph go back to the executors after it, but for `item`,
         # which their fusions would read wrongly (see planning/host_reads).
         fused = _transform_for_operator_executor_execution(fused, inner)

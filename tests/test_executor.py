@@ -530,6 +530,38 @@ def test_rematerialization_never_recomputes_an_in_place_write(backend):
     assert replays(jf, backend.executor) >= 2
 
 
+def _square_saved_then_written_in_the_same_graph(x, s):
+    square = s.square()
+    s.add_(s.detach())
+    return square * x
+
+
+def _square_saved_then_written_in_a_later_graph(x, s):
+    out = s.square() * x
+    s.add_(x.detach().sum().item())  # a host read: the write lands in the next graph
+    return out
+
+
+@pytest.mark.parametrize(
+    "f", [_square_saved_then_written_in_the_same_graph, _square_saved_then_written_in_a_later_graph]
+)
+def test_rematerialization_never_recomputes_from_memory_written_since(backend, f):
+    # The backward needs s * s as it was before the forward doubled s. Rematerialization by Thunder's torch.compile
+    # executor would make the backward's fusion recompute it from s, and so read the doubled values.
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    jf = thunder.jit(f, executors=[backend.executor, torch_compile_ex, *thunder.get_default_executors()])
+    s = torch.randn(3, 6, device=backend.device)  # a buffer: the same tensor on every call
+    for _ in range(4):
+        x = torch.randn(3, 6, device=backend.device, requires_grad=True)
+        x_ref, s_ref = x.detach().clone().requires_grad_(), s.clone()
+        out, expected = jf(x, s), f(x_ref, s_ref)
+        out.sum().backward()
+        expected.sum().backward()
+        torch.testing.assert_close((out, s, x.grad), (expected, s_ref, x_ref.grad))
+    assert replays(jf, backend.executor) >= 2
+
+
 class HalvedWeight(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

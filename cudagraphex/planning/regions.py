@@ -95,6 +95,8 @@ class RegionSpec:
     #: Backward inputs this region reads last: nothing after it in the trace reads them, and it neither writes nor
     #: returns them (candidates for giving their memory back at their last use, ``runtime.release``).
     last_read: frozenset[str] = frozenset()
+    #: Outputs that a recomputation would get wrong (``planning.rematerialization.not_recomputable``).
+    not_recomputable: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -177,13 +179,6 @@ def static_outputs(spec: RegionSpec, is_static: Callable[[str], bool]) -> frozen
     )
 
 
-class _Everything:
-    """A collection that holds every name: alias roots over a whole trace reach back to any tensor."""
-
-    def __contains__(self, name: object) -> bool:
-        return True
-
-
 class _Planner:
     def __init__(
         self,
@@ -212,7 +207,7 @@ class _Planner:
                 for p in b.flat_proxy_args:
                     self.consumers[p.name].append(i)
         self.trace_outputs = {p.name for p in flat_proxies(trace.output)}
-        _, self.aliases = input_aliases(self.bsyms, _Everything())
+        _, self.aliases = input_aliases(self.bsyms, None)
         #: For each region member (by ``id``), the ``id`` of the symbol of the trace that it is or decomposes.
         self.origin: dict[int, int] = {}
 

@@ -1,16 +1,121 @@
-"""Undoing the part of Thunder's rematerialization that would add unfused kernels to the graphs."""
+"""Thunder's rematerialization around the graphs: kept from recomputing across in-place writes, and undone where it
+would add unfused kernels to the graphs.
+
+Rematerialization, which every fusion pass after cudagraphex's runs (Thunder's default executors include torch.compile
+executors of single ops), makes a producer fusion stop returning some tensors saved for backward and a consumer fusion
+recompute them from others (the *cut*). It does not look at in-place writes (Thunder 0.2.6): a consumer that
+recomputes a tensor from memory written in place after the tensor was computed reads the written values, and one that
+recomputes an in-place write runs it again. Such outputs of a region (:func:`not_recomputable`) are never recomputed:
+
+* the symbols outside graphs that read one read it through an operator of cudagraphex's that returns its arguments
+  (:func:`rematerialization_barrier`), which no fusion executor claims, so no fusion consumes it from the region;
+* a later region that reads one refuses to recompute it (:func:`refused_rematerialization`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 
-from thunder.core.proxies import TensorProxy
+from thunder.core import prims
+from thunder.core.proxies import TensorProxy, Variable, variableify
 from thunder.core.symbol import BoundSymbol
+from thunder.extend import OperatorExecutor
 
 from cudagraphex.planning.regions import RegionSpec
-from cudagraphex.planning.symbols import writes_in_place
+from cudagraphex.planning.symbols import input_aliases, writes_in_place
 
-__all__ = ["refused_rematerialization"]
+__all__ = ["behind_barriers", "not_recomputable", "refused_rematerialization", "rematerialization_barrier"]
+
+# Not registered: its one operator carries its own callable, and no executors list names it.
+_executor = OperatorExecutor("cudagraphex_rematerialization")
+
+
+def _barrier_meta(*tensors: TensorProxy) -> tuple[TensorProxy, ...]:
+    return tuple(TensorProxy(like=t) for t in tensors)
+
+
+def _barrier(*tensors: object) -> tuple[object, ...]:
+    return tensors
+
+
+_barrier_symbol = _executor.register_operator("cudagraphex_barrier", meta=_barrier_meta, fn=_barrier)
+
+
+def rematerialization_barrier(tensors: Sequence[TensorProxy]) -> tuple[BoundSymbol, dict[Variable, TensorProxy]]:
+    """A symbol that returns ``tensors`` themselves under new names (call it inside a trace context), and the map from
+    each old name to its new one, for the symbols after it to read them through it."""
+    renamed = _barrier_meta(*tensors)
+    bsym = _barrier_symbol.bind(*tensors, output=renamed)
+    return bsym, {variableify(old): new for old, new in zip(tensors, renamed, strict=True)}
+
+
+def behind_barriers(
+    bsyms: Sequence[BoundSymbol], not_recomputable: dict[int, frozenset[str]], is_region: Callable[[BoundSymbol], bool]
+) -> list[BoundSymbol]:
+    """``bsyms`` (a trace's symbols; ``not_recomputable`` by the position of each region's fusion) with a
+    :func:`rematerialization_barrier` after each region whose not-recomputable outputs a later symbol other than a
+    region reads, and the later symbols other than regions reading them through it. Call it inside a trace context."""
+    reads_after: list[set[str]] = [set() for _ in range(len(bsyms) + 1)]
+    for k in range(len(bsyms) - 1, -1, -1):
+        reads_after[k] = reads_after[k + 1]
+        if not is_region(bsyms[k]) and bsyms[k].sym.id != prims.PrimIDs.RETURN:
+            reads_after[k] = reads_after[k] | {p.name for p in bsyms[k].flat_proxy_args}
+    result: list[BoundSymbol] = []
+    swap: dict[Variable, TensorProxy] = {}
+    for k, bsym in enumerate(bsyms):
+        if not is_region(bsym):
+            result.append(bsym.from_bsym_swap_proxies(swap))
+            continue
+        result.append(bsym)
+        names = not_recomputable.get(k, frozenset()) & reads_after[k + 1]
+        if names:
+            barrier, renamed = rematerialization_barrier([p for p in bsym.flat_proxy_outs if p.name in names])
+            result.append(barrier)
+            swap.update(renamed)
+    return result
+
+
+def not_recomputable(sequence: Sequence[RegionSpec | BoundSymbol]) -> dict[int, frozenset[str]]:
+    """For each region of ``sequence`` (a planned trace, by index), the names of its outputs that a recomputation from
+    what the region computes them from would get wrong: those an in-place write computes, or computes from, and those
+    computed from memory that a write of a later symbol, in the region or after it, may reach (views followed)."""
+    flat = [b for item in sequence for b in (item.bound_symbols if isinstance(item, RegionSpec) else (item,))]
+    written, aliases = input_aliases(flat, None)
+    # The memory written by the symbols after each position of ``flat``.
+    later: list[frozenset[str]] = [frozenset()] * (len(flat) + 1)
+    for k in range(len(flat) - 1, -1, -1):
+        later[k] = later[k + 1] | written.get(id(flat[k]), frozenset())
+    position = {id(b): k for k, b in enumerate(flat)}
+    found: dict[int, frozenset[str]] = {}
+    for index, item in enumerate(sequence):
+        if isinstance(item, RegionSpec):
+            wrong = _wrongly_recomputed(item, position, later, aliases) & {p.name for p in item.outputs}
+            if wrong:
+                found[index] = frozenset(wrong)
+    return found
+
+
+def _wrongly_recomputed(
+    region: RegionSpec,
+    position: dict[int, int],
+    later: Sequence[frozenset[str]],
+    aliases: dict[str, frozenset[str]],
+) -> set[str]:
+    """The names of the tensors ``region`` computes that a recomputation would get wrong (:func:`not_recomputable`).
+    A recomputation starts from the region's inputs or its outputs (which, where wrong, are kept), so a tensor is wrong
+    where its member writes in place, reads written memory, or reads a wrong tensor the region does not return."""
+    returned = {p.name for p in region.outputs}
+    wrong: set[str] = set()
+    for bsym in region.bound_symbols:  # in trace order: what a member reads is decided before the member
+        written_after = later[position[id(bsym)] + 1]
+        reads = [p.name for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)]
+        if (
+            writes_in_place(bsym)
+            or any(name in wrong and name not in returned for name in reads)
+            or any(aliases.get(name, frozenset({name})) & written_after for name in reads)
+        ):
+            wrong.update(p.name for p in bsym.flat_proxy_outs)
+    return wrong
 
 
 def refused_rematerialization(
@@ -40,8 +145,8 @@ def refused_rematerialization(
             built: a consumer may recompute from their members.
 
     As a producer, the region keeps its planned outputs, and returns no cut, unless every op computing the tensors it
-    stopped returning is fused and no in-place write feeds them (the consumer would run the write again): a graph output
-    nobody reads would hold its memory for as long as the graph lives. As a consumer, it drops each recomputed op whose
+    stopped returning is fused and none of them is :attr:`~RegionSpec.not_recomputable`: a graph output nobody reads
+    would hold its memory for as long as the graph lives. As a consumer, it drops each recomputed op whose
     result an earlier region returns (again), and the ops only those fed. Thunder hands regions back in trace order, so
     every producer has decided before its consumers; a producer that Thunder's dead-code elimination removed is not in
     ``earlier``, and what it computed stays recomputed. A fusion of another executor that recomputes from a refused
@@ -55,7 +160,7 @@ def refused_rematerialization(
     dropped = {p.name for p in planned.outputs} - returned
     known = (*members, *planned.bound_symbols)
     computing = [b for b in known if any(p.name in dropped for p in b.flat_proxy_outs)]
-    if dropped and (not all(map(fused, computing)) or _fed_by_a_write(known, dropped)):
+    if dropped and (not all(map(fused, computing)) or dropped & planned.not_recomputable):
         outputs = list(planned.outputs)
     recomputable = [*(b for spec in removed for b in spec.bound_symbols), *planned.bound_symbols]
     members = _restore_lost_members(recomputable, members, {p.name for p in inputs}, outputs)
@@ -84,23 +189,6 @@ def refused_rematerialization(
             f"cudagraphex: after rematerialization a graph would read {missing}, which no earlier graph returns"
         )
     return kept, _inputs_read(kept, candidates), outputs
-
-
-def _fed_by_a_write(bsyms: Iterable[BoundSymbol], names: Iterable[str]) -> bool:
-    """Whether an in-place write among ``bsyms`` feeds one of ``names``: a consumer recomputing them from before the
-    write would run it again, on the tensor it already wrote."""
-    producer = {p.name: b for b in bsyms for p in b.flat_proxy_outs}
-    seen: set[int] = set()
-    pending = list(names)
-    while pending:
-        bsym = producer.get(pending.pop())
-        if bsym is None or id(bsym) in seen:
-            continue
-        if writes_in_place(bsym):
-            return True
-        seen.add(id(bsym))
-        pending += [p.name for p in bsym.flat_proxy_args]
-    return False
 
 
 def _identity(bsym: BoundSymbol) -> tuple:

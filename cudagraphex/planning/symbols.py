@@ -218,17 +218,18 @@ def count_ops(bsyms: Iterable[BoundSymbol]) -> int:
 
 
 def input_aliases(
-    members: list[BoundSymbol], inputs: Collection[str]
+    members: list[BoundSymbol], inputs: Collection[str] | None
 ) -> tuple[dict[int, frozenset[str]], dict[str, frozenset[str]]]:
     """Which region inputs the members may reach through views: for each member (by id) that writes in place, the
     inputs whose memory the write may reach; for each tensor a member produces, the inputs whose memory it may share
-    (none for memory the region allocates)."""
+    (none for memory the region allocates). With ``inputs`` None every tensor a view does not produce is a root: the
+    roots then tell, over a whole trace, which tensors may share memory."""
     aliases: dict[str, frozenset[str]] = {}
 
     def roots(name: str) -> frozenset[str]:
         if name in aliases:
             return aliases[name]
-        return frozenset({name}) if name in inputs else frozenset()
+        return frozenset({name}) if inputs is None or name in inputs else frozenset()
 
     def reached_by(bsym: BoundSymbol) -> frozenset[str]:
         """The inputs ``bsym``'s writes may reach; inside a fusion or a decomposition the views its own symbols make
