@@ -562,6 +562,30 @@ def test_rematerialization_never_recomputes_from_memory_written_since(backend, f
     assert replays(jf, backend.executor) >= 2
 
 
+def test_a_write_left_out_of_graphs_beside_a_fusion_executor_is_never_dropped(backend):
+    # v is computed outside graphs (it reads a host value), so the write into its view is left out of the graph that
+    # takes the view; Thunder's torch.compile executor may then fuse the write alone. Such a fusion returns nothing
+    # anyone reads, so Thunder's dead-code elimination would drop it with the write; Thunder's rematerialization
+    # refuses it instead ("The consumer has no outputs"). Either the call raises or the write is applied.
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    def f(x):
+        v = x * x.amax(-1, keepdim=True).mean().item()
+        w = v[:, 0].exp()
+        v[:, 0].mul_(2)
+        return v, w
+
+    jf = thunder.jit(f, executors=[backend.executor, torch_compile_ex, *thunder.get_default_executors()])
+    x = torch.randn(4, 4, device=backend.device)
+    with torch.no_grad():
+        try:
+            out = jf(x)
+        except RuntimeError as e:
+            assert "The consumer has no outputs" in str(e)
+        else:
+            torch.testing.assert_close(out, f(x))
+
+
 class HalvedWeight(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -53,18 +53,19 @@ def behind_barriers(
     bsyms: Sequence[BoundSymbol], not_recomputable: dict[int, frozenset[str]], is_region: Callable[[BoundSymbol], bool]
 ) -> list[BoundSymbol]:
     """``bsyms`` (a trace's symbols; ``not_recomputable`` by the position of each region's fusion) with a
-    :func:`rematerialization_barrier` after each region whose not-recomputable outputs a later symbol other than a
-    region reads, and the later symbols other than regions reading them through it. Call it inside a trace context."""
+    :func:`rematerialization_barrier` after each region whose not-recomputable outputs a later symbol reads, and those
+    symbols reading them through it. Regions and the return read them as they are, and so do in-place writes: a fusion
+    whose only work is a write returns nothing anyone reads, and Thunder's dead-code elimination would drop it (its
+    rematerialization refuses such a consumer with an error). Call it inside a trace context."""
+    behind = [not is_region(b) and b.sym.id != prims.PrimIDs.RETURN and not writes_in_place(b) for b in bsyms]
     reads_after: list[set[str]] = [set() for _ in range(len(bsyms) + 1)]
     for k in range(len(bsyms) - 1, -1, -1):
-        reads_after[k] = reads_after[k + 1]
-        if not is_region(bsyms[k]) and bsyms[k].sym.id != prims.PrimIDs.RETURN:
-            reads_after[k] = reads_after[k] | {p.name for p in bsyms[k].flat_proxy_args}
+        reads_after[k] = reads_after[k + 1] | ({p.name for p in bsyms[k].flat_proxy_args} if behind[k] else set())
     result: list[BoundSymbol] = []
     swap: dict[Variable, TensorProxy] = {}
     for k, bsym in enumerate(bsyms):
         if not is_region(bsym):
-            result.append(bsym.from_bsym_swap_proxies(swap))
+            result.append(bsym.from_bsym_swap_proxies(swap) if behind[k] else bsym)
             continue
         result.append(bsym)
         names = not_recomputable.get(k, frozenset()) & reads_after[k + 1]
