@@ -49,15 +49,19 @@ def rematerialization_barrier(tensors: Sequence[TensorProxy]) -> tuple[BoundSymb
     return bsym, {variableify(old): new for old, new in zip(tensors, renamed, strict=True)}
 
 
+#: Symbols that Thunder finds the forward's outputs by, by name: the return, and in a joint trace ``get_grad``.
+_READ_AS_THEY_ARE = frozenset({prims.PrimIDs.RETURN, prims.PrimIDs.GET_GRAD})
+
+
 def behind_barriers(
     bsyms: Sequence[BoundSymbol], not_recomputable: dict[int, frozenset[str]], is_region: Callable[[BoundSymbol], bool]
 ) -> list[BoundSymbol]:
     """``bsyms`` (a trace's symbols; ``not_recomputable`` by the position of each region's fusion) with a
     :func:`rematerialization_barrier` after each region whose not-recomputable outputs a later symbol reads, and those
-    symbols reading them through it. Regions and the return read them as they are, and so do in-place writes: a fusion
-    whose only work is a write returns nothing anyone reads, and Thunder's dead-code elimination would drop it (its
-    rematerialization refuses such a consumer with an error). Call it inside a trace context."""
-    behind = [not is_region(b) and b.sym.id != prims.PrimIDs.RETURN and not writes_in_place(b) for b in bsyms]
+    symbols reading them through it. Regions, the return and ``get_grad`` read them as they are, and so do in-place
+    writes: a fusion whose only work is a write returns nothing anyone reads, and Thunder's dead-code elimination would
+    drop it (its rematerialization refuses such a consumer with an error). Call it inside a trace context."""
+    behind = [not is_region(b) and b.sym.id not in _READ_AS_THEY_ARE and not writes_in_place(b) for b in bsyms]
     reads_after: list[set[str]] = [set() for _ in range(len(bsyms) + 1)]
     for k in range(len(bsyms) - 1, -1, -1):
         reads_after[k] = reads_after[k + 1] | ({p.name for p in bsyms[k].flat_proxy_args} if behind[k] else set())
