@@ -8,7 +8,8 @@ recomputes a tensor from memory written in place after the tensor was computed r
 recomputes an in-place write runs it again. Such outputs of a region (:func:`not_recomputable`) are never recomputed:
 
 * the symbols outside graphs that read one read it through an operator of cudagraphex's that returns its arguments
-  (:func:`rematerialization_barrier`), which no fusion executor claims, so no fusion consumes it from the region;
+  (:func:`rematerialization_barrier`), which no fusion executor claims, so no fusion consumes it from the region (but
+  for the return, ``get_grad`` and in-place writes: :func:`behind_barriers`);
 * a later region that reads one refuses to recompute it (:func:`refused_rematerialization`).
 """
 
