@@ -14,7 +14,7 @@ from thunder.core import prims
 import cudagraphex.executor as executor_module
 from cudagraphex import CUDAGraphExecutor
 from cudagraphex.planning.regions import RegionSpec
-from cudagraphex.planning.rematerialization import refused_rematerialization
+from cudagraphex.planning.rematerialization import not_recomputable, refused_rematerialization
 from cudagraphex.planning.static_inputs import InputKind
 from tests.helpers import (
     assert_grads_close,
@@ -164,6 +164,33 @@ def test_refused_rematerialization_is_decided_by_the_producer(fused):
     )
     assert members == ([cos, exp] if fused else [exp])
     assert [p.name for p in inputs] == [a.name if fused else b.name]
+
+
+def test_refused_rematerialization_keeps_what_a_recomputation_would_get_wrong_though_it_is_fused():
+    producer, _, (sin, cos, _), (x, a, b) = _chain_regions()
+    producer = dataclasses.replace(producer, not_recomputable=frozenset({b.name}))
+    _, _, outputs = refused_rematerialization(producer, [sin, cos], [x], [a], [], lambda bsym: True)
+    assert [p.name for p in outputs] == [b.name]
+
+
+def test_what_is_computed_from_memory_written_later_is_not_recomputable():
+    # Recomputed after the write, `before` would read s as the write left it; `after` already does.
+    def f(x, s):
+        before = s * 2
+        s.add_(1)
+        after = s * 3
+        return before * x, after * x
+
+    trace = thunder.trace()(f, torch.randn(3), torch.randn(3))
+    (write,) = [b for b in trace.bound_symbols if b.sym.name == "add_"]
+    before, after = [b for b in trace.bound_symbols if b.sym.name == "mul"][:2]
+    s = before.args[0]
+    first = RegionSpec([before], [s], [before.output], "cpu", "forward")
+    second = RegionSpec([after], [s], [after.output], "cpu", "forward")
+    assert not_recomputable([first, write, second]) == {0: frozenset({before.output.name})}
+    # The write in the region itself: what it returns is not recomputable either (a recomputation would write again).
+    whole = RegionSpec([before, write, after], [s], [before.output, write.output, after.output], "cpu", "forward")
+    assert not_recomputable([whole]) == {0: frozenset({before.output.name, write.output.name})}
 
 
 def test_refused_rematerialization_reads_what_an_earlier_graph_returns_though_no_plan_read_it():
