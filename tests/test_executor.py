@@ -509,25 +509,31 @@ def test_last_position_wraps_another_executors_fusion():
     assert "TorchCompile" in str(thunder.last_traces(jm)[-1])
 
 
-def test_rematerialization_never_recomputes_an_in_place_write(backend):
-    # With Thunder's torch.compile executor after cudagraphex, rematerialization would make the backward graph
-    # recompute the attention's key from s as it was before the forward wrote it, and so write s a second time.
+def _trains_as_eager_beside_a_fuser(f, backend, s: torch.Tensor | None = None) -> None:
+    """Four training calls of ``f(x, s)`` with Thunder's torch.compile executor after cudagraphex match eager's output,
+    ``s`` and ``x.grad``, and graphs replay. ``s`` is the same tensor on every call if given, else a new one."""
     from thunder.executors.torch_compile import torch_compile_ex
-
-    def f(x, s):
-        s.mul_(0.9).add_(s.detach())
-        return torch.nn.functional.scaled_dot_product_attention(x[None], s[None], x[None])[0]
 
     jf = thunder.jit(f, executors=[backend.executor, torch_compile_ex, *thunder.get_default_executors()])
     for _ in range(4):
         x = torch.randn(3, 6, device=backend.device, requires_grad=True)
-        s = torch.randn(3, 6, device=backend.device)
-        x_ref, s_ref = x.detach().clone().requires_grad_(), s.clone()
-        out, expected = jf(x, s), f(x_ref, s_ref)
+        s_now = torch.randn(3, 6, device=backend.device) if s is None else s
+        x_ref, s_ref = x.detach().clone().requires_grad_(), s_now.clone()
+        out, expected = jf(x, s_now), f(x_ref, s_ref)
         out.sum().backward()
         expected.sum().backward()
-        torch.testing.assert_close((out, s, x.grad), (expected, s_ref, x_ref.grad))
+        torch.testing.assert_close((out, s_now, x.grad), (expected, s_ref, x_ref.grad))
     assert replays(jf, backend.executor) >= 2
+
+
+def test_rematerialization_never_recomputes_an_in_place_write(backend):
+    # With Thunder's torch.compile executor after cudagraphex, rematerialization would make the backward graph
+    # recompute the attention's key from s as it was before the forward wrote it, and so write s a second time.
+    def f(x, s):
+        s.mul_(0.9).add_(s.detach())
+        return torch.nn.functional.scaled_dot_product_attention(x[None], s[None], x[None])[0]
+
+    _trains_as_eager_beside_a_fuser(f, backend)
 
 
 def _square_saved_then_written_in_the_same_graph(x, s):
@@ -547,19 +553,9 @@ def _square_saved_then_written_in_a_later_graph(x, s):
 )
 def test_rematerialization_never_recomputes_from_memory_written_since(backend, f):
     # The backward needs s * s as it was before the forward doubled s. Rematerialization by Thunder's torch.compile
-    # executor would make the backward's fusion recompute it from s, and so read the doubled values.
-    from thunder.executors.torch_compile import torch_compile_ex
-
-    jf = thunder.jit(f, executors=[backend.executor, torch_compile_ex, *thunder.get_default_executors()])
-    s = torch.randn(3, 6, device=backend.device)  # a buffer: the same tensor on every call
-    for _ in range(4):
-        x = torch.randn(3, 6, device=backend.device, requires_grad=True)
-        x_ref, s_ref = x.detach().clone().requires_grad_(), s.clone()
-        out, expected = jf(x, s), f(x_ref, s_ref)
-        out.sum().backward()
-        expected.sum().backward()
-        torch.testing.assert_close((out, s, x.grad), (expected, s_ref, x_ref.grad))
-    assert replays(jf, backend.executor) >= 2
+    # executor would make the backward's fusion recompute it from s, and so read the doubled values. s is a buffer:
+    # the same tensor on every call.
+    _trains_as_eager_beside_a_fuser(f, backend, torch.randn(3, 6, device=backend.device))
 
 
 def test_a_write_left_out_of_graphs_beside_a_fusion_executor_is_never_dropped(backend):
