@@ -38,12 +38,12 @@ from thunder.extend import (
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.capture import backend_for
 from cudagraphex.compat.trusted_parameters import TRUSTED_ATTRIBUTE
-from cudagraphex.planning.host_reads import unfused_host_reads
-from cudagraphex.planning.regions import RegionSpec, plan_regions, static_outputs, trace_kind
+from cudagraphex.planning.regions import RegionSpec, is_joint, plan_regions, static_outputs, trace_kind
 from cudagraphex.planning.rematerialization import behind_barriers, not_recomputable, refused_rematerialization
 from cudagraphex.planning.safety import unsafe_reason
 from cudagraphex.planning.static_inputs import classify_inputs, static_names
 from cudagraphex.planning.symbols import count_ops, input_aliases, rng_state_inputs
+from cudagraphex.planning.unfused import unfused_host_reads, unfused_writes
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion, GraphOptions, RegionInfo
 from cudagraphex.runtime.release import release_point
 
@@ -214,10 +214,17 @@ class CUDAGraphExecutor(FusionExecutor):
             graphs.forward_caller_outputs = plan.caller_outputs
 
         fused = from_trace(trace)
+
+        def is_region(b: BoundSymbol) -> bool:
+            return b.sym.executor is self and b.sym.is_fusion
+
         with tracectx(fused):
-            fused.bound_symbols = behind_barriers(bsyms, wrong, lambda b: b.sym.executor is self and b.sym.is_fusion)
-        # Symbols this executor claimed but left out of every graph go back to the executors after it, but for `item`,
-        # which their fusions would read wrongly (see planning/host_reads).
+            # Not in a joint trace: Thunder's split puts a lowered write into a view in the backward.
+            if rematerialized and not is_joint(trace):
+                bsyms = unfused_writes(bsyms, is_region, inner, fused)
+            fused.bound_symbols = behind_barriers(bsyms, wrong, is_region)
+        # Symbols this executor claimed but left out of every graph go back to the executors after it, but for writes
+        # and `item`, which their fusions would run wrongly (see planning/unfused).
         fused = _transform_for_operator_executor_execution(fused, inner)
         fused.bound_symbols = unfused_host_reads(fused.bound_symbols)
         elapsed = (time.perf_counter() - start) * 1e3

@@ -47,6 +47,7 @@ __all__ = [
     "Break",
     "Plan",
     "RegionSpec",
+    "is_joint",
     "plan_regions",
     "static_outputs",
     "trace_kind",
@@ -124,6 +125,18 @@ def trace_kind(trace: TraceCtx) -> str:
     if any(b.sym.id == prims.PrimIDs.GET_GRAD for b in trace.bound_symbols):
         return "forward+backward"
     return "computation"
+
+
+def is_joint(trace: TraceCtx) -> bool:
+    """Whether Thunder splits ``trace`` into a forward and a backward after the fusion passes: a joint trace, also one
+    without ``get_grad`` (its caller's inputs require grad, its outputs do not), which :func:`trace_kind` calls
+    "computation"."""
+    ret = trace.bound_symbols[-1] if trace.bound_symbols else None
+    return (
+        ret is not None
+        and ret.sym.id == prims.PrimIDs.RETURN
+        and any(isinstance(a, dict) and "fw_flat_out" in a for a in ret.args)
+    )
 
 
 def _mark_last_reads(plan: Plan) -> None:
