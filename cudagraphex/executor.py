@@ -38,7 +38,7 @@ from thunder.extend import (
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.capture import backend_for
 from cudagraphex.compat.trusted_parameters import TRUSTED_ATTRIBUTE
-from cudagraphex.planning.regions import RegionSpec, is_joint, plan_regions, static_outputs, trace_kind
+from cudagraphex.planning.regions import RegionSpec, plan_regions, static_outputs, trace_kind
 from cudagraphex.planning.rematerialization import behind_barriers, not_recomputable, refused_rematerialization
 from cudagraphex.planning.safety import unsafe_reason
 from cudagraphex.planning.static_inputs import classify_inputs, static_names
@@ -219,9 +219,8 @@ class CUDAGraphExecutor(FusionExecutor):
             return b.sym.executor is self and b.sym.is_fusion
 
         with tracectx(fused):
-            # Not in a joint trace: Thunder's split puts a lowered write into a view in the backward.
-            if rematerialized and not is_joint(trace):
-                bsyms = unfused_writes(bsyms, is_region, inner, fused)
+            if rematerialized:
+                bsyms = unfused_writes(bsyms, is_region, inner, trace)
             fused.bound_symbols = behind_barriers(bsyms, wrong, is_region)
         # Symbols this executor claimed but left out of every graph go back to the executors after it, but for writes
         # and `item`, which their fusions would run wrongly (see planning/unfused).

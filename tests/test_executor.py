@@ -579,6 +579,28 @@ def test_a_write_left_out_of_graphs_beside_a_fusion_executor_is_applied(backend)
     assert replays(jf, backend.executor) >= 1
 
 
+def test_a_write_left_out_of_graphs_in_a_joint_trace_is_never_lost(backend):
+    # With an input that requires grad, Thunder splits the trace into a forward and a backward after the fusion passes
+    # (under no_grad too), and its split moves a lone write into a view of the forward's tensor into the backward,
+    # which never runs here. Either the call raises or the write is applied.
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    def f(x):
+        v = x * x.amax(-1, keepdim=True).mean().item()
+        v[:, 0].mul_(2)
+        return v
+
+    jf = thunder.jit(f, executors=[backend.executor, torch_compile_ex, *thunder.get_default_executors()])
+    x = torch.randn(4, 4, device=backend.device, requires_grad=True)
+    with torch.no_grad():
+        try:
+            out = jf(x)
+        except RuntimeError as e:
+            assert "The consumer has no outputs" in str(e)
+        else:
+            torch.testing.assert_close(out, f(x))
+
+
 class HalvedWeight(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

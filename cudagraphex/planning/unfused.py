@@ -12,7 +12,9 @@ between two regions, and a fusion executor after cudagraphex would fuse it alone
 returns nothing anyone reads, which Thunder's rematerialization refuses with an error ("The consumer has no outputs")
 and its dead-code elimination may drop. Each such write is lowered by the operator executors after cudagraphex
 instead, as Thunder lowers writes when no fusion executor is listed: the values it writes may be fused, the ``copy_``
-that writes them is not (no fusion executor claims the torch executor's ``copy_``).
+that writes them is not (no fusion executor claims the torch executor's ``copy_``). Not in a joint trace: Thunder's
+split (0.2.6) moves a ``copy_`` into a view of a tensor the forward made, after its last read, into the backward, where
+it is lost; fused, such a write fails loudly instead.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from thunder.core.trace import TraceCtx, from_trace
 from thunder.executors.passes import _transform_for_operator_executor_execution
 from thunder.extend import Executor, OperatorExecutor, get_always_executors
 
+from cudagraphex.planning.regions import is_joint
 from cudagraphex.planning.safety import HOST_READS
 from cudagraphex.planning.symbols import flat_proxies, writes_in_place
 
@@ -61,8 +64,11 @@ def unfused_writes(
     executors: Sequence[Executor],
     trace: TraceCtx,
 ) -> list[BoundSymbol]:
-    """``bsyms`` (symbols of ``trace``) with each in-place write outside a region lowered by the operator executors
-    among ``executors``, so that no fusion executor's fusion holds the write itself."""
+    """``bsyms`` (what becomes of ``trace``'s symbols) with each in-place write outside a region lowered by the
+    operator executors among ``executors``, so that no fusion executor's fusion holds the write itself; unchanged in a
+    joint trace."""
+    if is_joint(trace):
+        return list(bsyms)
     operators = [ex for ex in (*executors, *get_always_executors()) if isinstance(ex, OperatorExecutor)]
     lowered: list[BoundSymbol] = []
     for bsym in bsyms:
