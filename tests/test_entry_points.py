@@ -93,18 +93,22 @@ class NoTanh(CUDAGraphTransform):
         return "tanh" not in bsym.sym.name and super().can_fuse(bsym)
 
 
-def steps_beside_eager(transform, model, backend, caplog, *, keep: str) -> tuple[list[str], list[int]]:
+def steps_beside_eager(
+    transform, model, backend, caplog, *, keep: str, alternate: bool = False
+) -> tuple[list[str], list[int]]:
     """Five training steps beside eager, keeping every step's input or output (``keep``) so that each lands at a new
-    address: the INFO messages that say an input changed address, and the graphs of each region."""
+    address: the INFO messages that say an input changed address, and the graphs of each region. ``alternate``: the
+    batch alternates between two tensors instead of being made afresh."""
     reference = twin(model)
     jm = thunder.jit(model, transforms=[transform])
     # One cotangent for every call: one that autograd makes afresh lands wherever the allocator puts it, and a graph
     # that read it in place would demote it when it moves.
     grad = torch.randn(4, 16, device=backend.device)
+    batches = [torch.randn(4, 16, device=backend.device) for _ in range(2)]
     kept = []
     with caplog.at_level(logging.INFO, logger="cudagraphex"):
-        for _ in range(5):
-            x = torch.randn(4, 16, device=backend.device)
+        for step in range(5):
+            x = batches[step % 2] if alternate else torch.randn(4, 16, device=backend.device)
             out, ref = jm(x), reference(x)
             torch.testing.assert_close(out, ref)
             out.backward(grad)
@@ -122,6 +126,17 @@ def test_transform_demotes_a_moving_declared_input_with_one_info_log(caplog, bac
     # tanh runs eagerly; its output, returned and saved for backward, is declared static and moves with every step.
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()).to(backend.device)
     demotions, graphs = steps_beside_eager(NoTanh(backend=backend.name), model, backend, caplog, keep="outputs")
+    assert len(demotions) == 1 and "(declared static) changed address" in demotions[0]
+    assert graphs == [2]
+
+
+def test_transform_copies_a_batch_that_moved_before_the_first_backward_capture_into_later_graphs_too(caplog, backend):
+    # The batch, saved for backward, alternates between two tensors. The first backward graph finds it away from where
+    # its warm-up saw it and copies it; the second (the tanh output moved) finds it back there. Read in place, it
+    # would miss at the next call, and a third graph be captured.
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()).to(backend.device)
+    transform = NoTanh(backend=backend.name)
+    demotions, graphs = steps_beside_eager(transform, model, backend, caplog, keep="outputs", alternate=True)
     assert len(demotions) == 1 and "(declared static) changed address" in demotions[0]
     assert graphs == [2]
 

@@ -311,14 +311,20 @@ class GraphedRegion:
     def _unmoved_caller_tensors(self, args: Sequence[torch.Tensor], key: tuple) -> frozenset[int]:
         """The caller's tensors that are where they were at this signature's warm-up: a new graph reads them in place.
 
-        One the region writes is left out, so that a written input keeps the one path it has always had (a buffer
-        and a copy-back); reading it in place would be correct too, but no workload measured needs it."""
+        One that moved since is copied from now on, into every later graph too: a tensor that alternates between two
+        addresses would otherwise be read in place by a graph captured while it is back where it was, and miss on the
+        next call. One the region writes is left out, so that a written input keeps the one path it has always had (a
+        buffer and a copy-back); reading it in place would be correct too, but no workload measured needs it."""
         seen = self._warmup_addresses.get(self._warmup_key(key), {})
-        return frozenset(
-            i
-            for i, address in seen.items()
-            if self.kinds[i] is InputKind.CALLER and i not in self.mutated_idx and args[i].data_ptr() == address
-        )
+        unmoved = set()
+        for i, address in seen.items():
+            if self.kinds[i] is not InputKind.CALLER or i in self.mutated_idx:
+                continue
+            if args[i].data_ptr() == address:
+                unmoved.add(i)
+            else:
+                self.kinds[i] = InputKind.COPIED
+        return frozenset(unmoved)
 
     def _warmup_key(self, key: tuple) -> tuple:
         """The signature ``key`` as warm-ups count it: without the device of dropout RNG state, which an eager forward
