@@ -104,7 +104,7 @@ def steps_beside_eager(
     # One cotangent for every call: one that autograd makes afresh lands wherever the allocator puts it, and a graph
     # that read it in place would demote it when it moves.
     grad = torch.randn(4, 16, device=backend.device)
-    batches = [torch.randn(4, 16, device=backend.device) for _ in range(2)]
+    batches = [torch.randn(4, 16, device=backend.device) for _ in range(2)] if alternate else []
     kept = []
     with caplog.at_level(logging.INFO, logger="cudagraphex"):
         for step in range(5):
