@@ -42,7 +42,7 @@ from cudagraphex.planning.regions import RegionSpec, plan_regions, static_output
 from cudagraphex.planning.rematerialization import behind_barriers, not_recomputable, refused_rematerialization
 from cudagraphex.planning.safety import unsafe_reason
 from cudagraphex.planning.static_inputs import classify_inputs, static_names
-from cudagraphex.planning.symbols import count_ops, input_aliases, rng_state_inputs
+from cudagraphex.planning.symbols import count_ops, input_aliases, rng_state_inputs, with_decompositions
 from cudagraphex.planning.unfused import unfused_host_reads, unfused_writes
 from cudagraphex.runtime import FunctionGraphs, GraphedRegion, GraphOptions, RegionInfo
 from cudagraphex.runtime.release import release_point
@@ -169,6 +169,10 @@ class CUDAGraphExecutor(FusionExecutor):
         declared -= graphs.forward_caller_outputs if is_backward else frozenset()
         earlier_outputs = graphs.forward_graph_outputs if is_backward else frozenset()
         inner = self._inner_executors()
+        # Only a fusion pass after this one rematerializes (see planning/rematerialization) or rebuilds fusions.
+        rematerialized = any(isinstance(ex, FusionExecutor) for ex in inner)
+        if rematerialized:
+            trace = with_decompositions(trace)
         plan = plan_regions(
             trace,
             self._reason_of,
@@ -189,8 +193,6 @@ class CUDAGraphExecutor(FusionExecutor):
         graph_outputs = set(earlier_outputs)
         bsyms: list[BoundSymbol] = []
         earlier: list[str] = []
-        # Only a fusion pass after this one rematerializes (see planning/rematerialization).
-        rematerialized = any(isinstance(ex, FusionExecutor) for ex in inner)
         wrong = not_recomputable(plan.sequence) if rematerialized else {}
         for index, item in enumerate(plan.sequence):
             if isinstance(item, RegionSpec):

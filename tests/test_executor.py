@@ -536,6 +536,18 @@ def test_rematerialization_never_recomputes_an_in_place_write(backend):
     _trains_as_eager_beside_a_fuser(f, backend)
 
 
+def test_a_gradient_thunder_starts_from_zeros_is_computed_beside_a_fusion_executor(backend):
+    # v's gradient is written over by add_, so Thunder's autodiff starts it from zeros, which it binds without their
+    # decomposition. Thunder's dead-code elimination drops such a symbol from the fusion that holds it; the fusion
+    # rebuilt from what is left would read a name nothing defines, or another tensor its lowered code gave that name.
+    def f(x, s):
+        v = x * 1.5
+        v.add_(v)
+        return torch.nn.functional.scaled_dot_product_attention(v[None], x[None], x[None])[0]
+
+    _trains_as_eager_beside_a_fuser(f, backend)
+
+
 def _square_saved_then_written_in_the_same_graph(x, s):
     square = s.square()
     s.add_(s.detach())

@@ -10,8 +10,9 @@ from collections.abc import Callable, Collection, Iterable
 
 import thunder.torch as ltorch
 from thunder.core import prims
-from thunder.core.proxies import Proxy, TensorProxy
+from thunder.core.proxies import Proxy, TensorProxy, variableify
 from thunder.core.symbol import BoundSymbol, BoundSymbolTag
+from thunder.core.trace import TraceCtx, from_trace, get_tracectx, tracectx
 from thunder.executors.torchex import ex as torch_executor
 
 from cudagraphex.planning.safety import is_inplace_write, rng_state_args
@@ -24,6 +25,7 @@ __all__ = [
     "input_aliases",
     "rng_state_inputs",
     "source_line",
+    "with_decompositions",
     "writes_in_place",
 ]
 
@@ -202,6 +204,49 @@ def decompose_metadata_reads(
         else:
             out.append(bsym)
     return out
+
+
+def with_decompositions(trace: TraceCtx) -> TraceCtx:
+    """``trace`` with each torch-level symbol that reads no tensor and was bound without its decomposition (Thunder's
+    autodiff binds the ``ltorch.zeros`` of a gradient nothing flows into so) rebound with the decomposition it traces
+    to, under its own output names.
+
+    Thunder's dead-code elimination takes every non-primitive symbol without a decomposition for a no-op and drops it
+    from the symbols of the fusion that holds it, and a fusion executor rebuilds its fusions from what is left
+    (``update_fusion_call_ctx``): the rebuilt fusion reads a name nothing defines, or another tensor that its lowered
+    code happens to give that name.
+    """
+    out = from_trace(trace)
+    with tracectx(out):
+        out.bound_symbols = [_with_decomposition(b) for b in trace.bound_symbols]
+    return out
+
+
+def _with_decomposition(bsym: BoundSymbol) -> BoundSymbol:
+    if (
+        bsym.subsymbols
+        or bsym.sym.is_prim
+        or bsym.sym.is_fusion
+        or bsym.sym.executor is not None
+        or bsym.sym.meta is None
+        or any(isinstance(p, TensorProxy) for p in bsym.flat_proxy_args)
+    ):
+        return bsym
+    recorded: list[BoundSymbol] = []
+    trace = get_tracectx()
+    trace.push_scope(recorded)
+    try:
+        result = bsym.sym(*bsym.args, **bsym.kwargs)
+    finally:
+        trace.pop_scope()
+    (traced,) = recorded
+    renamed = {variableify(new): old for new, old in zip(flat_proxies(result), flat_proxies(bsym.output), strict=True)}
+    return traced.from_bsym_swap_proxies(renamed).from_bsym(
+        tags=set(bsym.tags),
+        header=bsym.header,
+        source_filename=bsym.source_filename,
+        source_positions=bsym.source_positions,
+    )
 
 
 def _decomposition_produces_outputs(bsym: BoundSymbol) -> bool:
