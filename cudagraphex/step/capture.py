@@ -38,7 +38,8 @@ class StepCapture:
         self.host_values: tuple = ()
         self.modes: tuple = ()
         self.buffers: list[torch.Tensor] = []
-        #: Indices of the buffers the step writes in place: copied back into the caller's arguments after a replay.
+        #: Indices of the buffers the step writes in place (``io.changed_buffers``): copied back into the caller's
+        #: arguments after a replay.
         self.written: list[int] = []
         self.arg_guard: TensorGuards | None = None
         self.pick_args: Callable = lambda flat: ()

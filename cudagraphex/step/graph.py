@@ -26,8 +26,9 @@ What is guarded
 
 Arguments
     Tensor arguments are copied into the graph's buffers before a replay; buffers the step writes in place are copied
-    back into the caller's arguments after it. An argument that shares memory with another or with the state would
-    lose that sharing in the buffers: such a call runs ``fn`` as is.
+    back into the caller's arguments after it: those whose version counters the capture bumped, or whose values the
+    step's first run on the buffers changed (``io.changed_buffers``). An argument that shares memory with another or
+    with the state would lose that sharing in the buffers: such a call runs ``fn`` as is.
 
 Slots keep their tensors
     A step that replaces the tensor in a slot (``zero_grad(set_to_none=True)`` before ``backward`` gives every
@@ -89,6 +90,7 @@ from cudagraphex.step.capture import (
 )
 from cudagraphex.step.io import (
     argument_problem,
+    changed_buffers,
     handed_out,
     host_values,
     on_arguments,
@@ -396,6 +398,8 @@ class StepGraph:
             buf.copy_(flat[i])
         graph.arg_guard = layout_guard([flat[i] for i in tensor_idx])
         versions = [buf._version for buf in graph.buffers]
+        # The emulated capture runs the step, so it shows what the step writes by value too.
+        before_run = [buf.clone() for buf in graph.buffers] if self.emulated else None
         call_flat = list(flat)
         for buf, i in zip(graph.buffers, tensor_idx, strict=True):
             call_flat[i] = buf
@@ -424,6 +428,8 @@ class StepGraph:
 
         flat_out, graph.out_spec = pytree.tree_flatten(out)
         graph.written = [i for i, (buf, v) in enumerate(zip(graph.buffers, versions, strict=True)) if buf._version != v]
+        if before_run is not None:
+            graph.written = changed_buffers(graph.buffers, before_run, graph.written)
         after = slots.tensors()
         problem = output_problem(flat_out, [*before, *after, *flat, *graph.buffers])
         if problem is not None:
@@ -456,7 +462,9 @@ class StepGraph:
             f"; its state moved ({moved}), so the next call captures again" if moved else "",
         )
         if not self.emulated:  # the emulated capture ran the step: that run stands for this call's replay
+            before_run = [buf.clone() for buf in graph.buffers]
             graph.graph.replay()
+            graph.written = changed_buffers(graph.buffers, before_run, graph.written)
         self._report.replays += 1
         write_back(graph.pick_args(flat), graph.buffers, graph.written)
         return None if moved else graph, handed_out(graph.outputs, graph.out_spec), None

@@ -22,6 +22,7 @@ from cudagraphex.step.state import is_tensor
 
 __all__ = [
     "argument_problem",
+    "changed_buffers",
     "handed_out",
     "host_values",
     "on_arguments",
@@ -61,6 +62,15 @@ def write_back(args: tuple, buffers: list[torch.Tensor], written: list[int]) -> 
     if written:
         with torch.no_grad():
             torch._foreach_copy_([args[i] for i in written], [buffers[i] for i in written])
+
+
+def changed_buffers(buffers: list[torch.Tensor], before: list[torch.Tensor], written: list[int]) -> list[int]:
+    """``written`` (the argument buffers whose version counters a step's capture bumped) with every buffer whose values
+    differ from ``before`` (its copy from before the step's first run). Version counters alone miss writes: Inductor's
+    kernels inside a call that records autograd (Thunder's torch.compile executor in training) write an argument
+    without bumping its counter. A write that leaves every value as it was in that first run is not seen."""
+    changed = {i for i, (buf, old) in enumerate(zip(buffers, before, strict=True)) if not torch.equal(buf, old)}
+    return sorted(changed.union(written))
 
 
 def storages(tensors: Iterable[torch.Tensor | None]) -> frozenset[int]:

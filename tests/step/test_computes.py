@@ -173,6 +173,43 @@ def test_an_argument_written_in_place_is_updated_once_per_call(backend):
     assert replays_of(pair.step) >= 2
 
 
+class _DoublesItsArgument(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        s.add_(s.detach())
+        return self.linear(x).cos()
+
+
+@pytest.mark.parametrize("position", ["first", "last"])
+def test_an_argument_a_fusion_writes_in_training_is_updated_once_per_call(backend, position):
+    # Inside a call that records autograd, Thunder's torch.compile executor writes s in place in an Inductor kernel
+    # without bumping its version counter, so the step cannot find the arguments it writes by version counters alone.
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    torch.manual_seed(0)
+    model = _DoublesItsArgument().to(backend.device)
+    rest = [torch_compile_ex, *thunder.get_default_executors()]
+    compiled = thunder.jit(
+        model, executors=[backend.executor, *rest] if position == "first" else [*rest, backend.executor]
+    )
+
+    def train(x, s):
+        out = compiled(x, s)
+        out.sum().backward()
+        return out.detach()
+
+    step = graph_step(train, modules=[model], warmup_calls=1, backend=backend.name)
+    for _ in range(4):
+        x, s = torch.randn(3, 6, device=backend.device), torch.randn(6, device=backend.device)
+        expected = 2 * s
+        step(x, s)
+        torch.testing.assert_close(s, expected)
+    assert explain(step).replays >= 2
+
+
 def test_a_step_called_under_inference_mode_replays_and_writes_its_arguments(backend):
     model = mlp(2, 16).to(backend.device)
     compiled = [jit(model, backend.executor), thunder.jit(model)]
