@@ -387,12 +387,18 @@ def test_a_backward_reading_attention_rng_state_captures_on_the_call_after_its_w
 @pytest.mark.cuda
 def test_region_graphs_train_within_a_tenth_of_thunders_peak_memory():
     """The peak of allocated memory over a few training steps of a GPT, from before its model is built: region graphs
-    at most 1.10x plain Thunder's."""
+    at most 1.10x plain Thunder's.
+
+    A first round of both variants builds the process-wide caches: cuBLAS's workspaces (32 MiB each on an H100) for
+    each stream and thread that runs a matmul, the capture stream's among them. Whether this process had built them
+    before depends on the tests it ran, and on a model this small they decide the verdict. Each measurement starts
+    after a garbage collection: a compiled function's reference cycles keep its model alive until one runs."""
     import thunder
 
     from benchmarks.models import GPT, GPTConfig
 
     def peak(executors: list | None) -> tuple[int, str]:
+        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
@@ -410,6 +416,8 @@ def test_region_graphs_train_within_a_tenth_of_thunders_peak_memory():
         del jm, model, idx
         return used, report
 
+    graphed_executors = [cudagraphex, *thunder.get_default_executors()]
+    peak(None), peak(graphed_executors)
     plain, _ = peak(None)
-    graphed, report = peak([cudagraphex, *thunder.get_default_executors()])
+    graphed, report = peak(graphed_executors)
     assert graphed <= 1.10 * plain, (graphed / 2**20, plain / 2**20, report)
