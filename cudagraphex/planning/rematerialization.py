@@ -15,6 +15,8 @@ recomputes an in-place write runs it again. Such outputs of a region (:func:`not
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 from thunder.core import prims
@@ -174,6 +176,7 @@ def refused_rematerialization(
     candidates = (*inputs, *planned.inputs, *(p for spec in earlier for p in spec.outputs))
     planned_members = {_identity(b) for b in planned.bound_symbols}
     if all(_identity(b) in planned_members for b in members):
+        members = _in_planned_order(members, planned.bound_symbols)
         return members, _inputs_read(members, candidates), outputs
 
     produced_earlier = {p.name for spec in earlier for b in spec.bound_symbols for p in b.flat_proxy_outs}
@@ -187,7 +190,7 @@ def refused_rematerialization(
             continue
         kept.append(bsym)
         needed |= {p.name for p in bsym.flat_proxy_args}
-    kept.reverse()
+    kept = _in_planned_order(kept[::-1], planned.bound_symbols)
     produced = {p.name for b in kept for p in b.flat_proxy_outs}
     missing = sorted(needed - produced - available)
     if missing:
@@ -195,6 +198,57 @@ def refused_rematerialization(
             f"cudagraphex: after rematerialization a graph would read {missing}, which no earlier graph returns"
         )
     return kept, _inputs_read(kept, candidates), outputs
+
+
+def _in_planned_order(members: list[BoundSymbol], planned: Sequence[BoundSymbol]) -> list[BoundSymbol]:
+    """``members`` with the planned ones in the order of ``planned``, and each recomputed one (not planned) as late as
+    its first reader allows.
+
+    Thunder's rematerialization sorts a consumer's symbols anew (a bottom-up topological sort), which moves, for
+    instance, every weight gradient of a backward to its end, so that each layer's activation gradients stay alive
+    until then (on a 4-layer GPT, 2.7 times the memory the backward allocated was live at its peak). ``members`` must be
+    in an order in which each one follows those whose outputs it reads; where the two orders cannot be reconciled, it is
+    kept."""
+    positions: dict[tuple, list[int]] = {}
+    for k, bsym in enumerate(planned):
+        positions.setdefault(_identity(bsym), []).append(k)
+    readers: dict[str, list[int]] = {}
+    for i, bsym in enumerate(members):
+        for p in bsym.flat_proxy_args:
+            readers.setdefault(p.name, []).append(i)
+    # Planned members keep their planned position; a recomputed one takes its first reader's (readers come later).
+    key: list[tuple[float, int]] = [(float("inf"), 0)] * len(members)
+    for i in range(len(members) - 1, -1, -1):
+        found = positions.get(_identity(members[i]))
+        if found:
+            key[i] = (found.pop() if len(found) > 1 else found[0], 1)
+        else:
+            reads = [key[j][0] for p in members[i].flat_proxy_outs for j in readers.get(p.name, ()) if j > i]
+            key[i] = (min(reads, default=float("inf")), 0)
+    produced_by = {p.name: i for i, bsym in enumerate(members) for p in bsym.flat_proxy_outs}
+    waiting = [
+        {produced_by[p.name] for p in bsym.flat_proxy_args if produced_by.get(p.name, i) < i}
+        for i, bsym in enumerate(members)
+    ]
+    successors = [
+        {j for p in bsym.flat_proxy_outs for j in readers.get(p.name, ()) if j > i} for i, bsym in enumerate(members)
+    ]
+    # Planned members run in planned order, whatever their data says: an in-place write stays after earlier reads.
+    chain = sorted((i for i in range(len(members)) if key[i][1]), key=lambda i: key[i])
+    for a, b in itertools.pairwise(chain):
+        waiting[b].add(a)
+        successors[a].add(b)
+    ready = [(key[i], i) for i, deps in enumerate(waiting) if not deps]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(i)
+        for j in successors[i]:
+            waiting[j].discard(i)
+            if not waiting[j]:
+                heapq.heappush(ready, (key[j], j))
+    return [members[i] for i in order] if len(order) == len(members) else members
 
 
 def _identity(bsym: BoundSymbol) -> tuple:
