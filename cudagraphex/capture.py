@@ -24,6 +24,7 @@ __all__ = [
     "CaptureFailed",
     "CudaBackend",
     "EmulatedBackend",
+    "allocate_blas_workspaces",
     "backend_for",
     "is_capturing",
     "whole_step",
@@ -73,11 +74,64 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+#: Per thread, the devices whose capture stream already has this thread's cuBLAS workspace.
+_blas_ready = threading.local()
+#: The devices whose autograd thread has one (autograd keeps one thread per device for the process).
+_autograd_blas_ready: set[int] = set()
+
+
+def _run_matmuls(device: torch.device) -> None:
+    """Runs the two kinds of cuBLAS matmul PyTorch uses (plain, and with a bias through cuBLASLt) once on the capture
+    stream of ``device``; this thread then has its workspace for that stream."""
+    with _capture_lock, torch.cuda.device(device):
+        stream = capture_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            a = torch.ones(2, 2, device=device)
+            torch.mm(a, a)
+            torch.addmm(a[0], a, a)
+        torch.cuda.current_stream(device).wait_stream(stream)
+    _blas_ready.__dict__.setdefault("devices", set()).add(device.index)
+
+
+class _MatmulsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _run_matmuls(grad.device)
+        _autograd_blas_ready.add(grad.device.index)
+        return grad
+
+
+def allocate_blas_workspaces(device: torch.device, *, autograd_thread: bool = False) -> None:
+    """Has cuBLAS allocate its workspace for the capture stream outside any capture: this thread's, and with
+    ``autograd_thread`` the one of autograd's thread for ``device``, where the backward inside a captured step runs.
+
+    cuBLAS allocates a workspace (32 MiB on an H100) for each thread and stream at their first matmul and keeps it for
+    the life of the process. Allocated inside a capture, it would come from that graph's pool, count as the graph's
+    memory, and keep the pool's segment after the graph is gone. Call before measuring what a capture adds, and not
+    while holding ``_capture_lock`` (the matmuls take it: the capture stream runs nothing while a capture records).
+    """
+    if device.index not in getattr(_blas_ready, "devices", ()):
+        _run_matmuls(device)
+    if autograd_thread and device.index not in _autograd_blas_ready and not torch.is_inference_mode_enabled():
+        x = torch.zeros(2, device=device, requires_grad=True)
+        with torch.enable_grad():
+            _MatmulsInBackward.apply(x).sum().backward()
+
+
 class CudaBackend:
     """Captures with ``torch.cuda.CUDAGraph`` on the device's capture stream."""
 
     name = "cuda"
     device_type = "cuda"
+
+    def prepare(self, device: torch.device) -> None:
+        """Readies this thread to capture on ``device`` without adding process-wide caches to a graph's pool."""
+        allocate_blas_workspaces(device)
 
     def new_pool(self, device: torch.device) -> Any:
         return torch.cuda.graph_pool_handle()
@@ -248,6 +302,9 @@ class EmulatedBackend:
 
     name = "emulate"
     device_type = "cpu"
+
+    def prepare(self, device: torch.device) -> None:
+        """Nothing to ready on the CPU."""
 
     def new_pool(self, device: torch.device) -> Any:
         return object()

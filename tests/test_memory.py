@@ -9,7 +9,10 @@ then leave nothing behind.
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +75,53 @@ def test_deleting_the_function_and_model_gives_back_their_memory(backend, kind):
     left = _settled() - start
     assert probe() is None, "something still holds the model's parameters"
     assert left == 0, f"{left / 2**20:.1f} MiB still allocated"
+
+
+_FIRST_CAPTURES = """
+import torch
+from benchmarks.models import mlp
+from cudagraphex import explain, graph_step
+from tests.helpers import BACKENDS, jit
+
+backend = BACKENDS["cuda"]
+model = mlp(3, 64).cuda()
+compiled = jit(model, backend.executor)
+x = torch.randn(8, 64, device="cuda")
+if "{kind}" == "regions":
+    for _ in range(4):
+        compiled(x).square().mean().backward()
+    pool_bytes = explain(compiled).pool_bytes
+else:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def step(x):
+        opt.zero_grad()
+        loss = compiled(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    stepped = graph_step(step, modules=[model], optimizers=[opt])
+    for _ in range(4):
+        stepped(x)
+    pool_bytes = explain(stepped).pool_bytes
+print(pool_bytes)
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["regions", "whole_step"])
+def test_the_first_captures_of_a_process_keep_cublas_workspaces_out_of_their_pool(kind):
+    """cuBLAS keeps a workspace (32 MiB on an H100) per thread and stream for the life of the process. The first
+    captures on the capture stream, on the caller's thread and autograd's, find theirs allocated outside the pool."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_CAPTURES.format(kind=kind)],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    pool_bytes = int(done.stdout.split()[-1])
+    assert 0 < pool_bytes < 8 * 2**20, f"{pool_bytes / 2**20:.1f} MiB"

@@ -92,6 +92,7 @@ class Instance:
         self.pick_guarded = picker(guarded)
         self.num_copied = len(copied)
         self.pick_copied = picker(copied)
+        region.backend.prepare(region.device)
         peak_before = region.backend.peak_allocated_bytes(region.device)
         graph_args = list(args)
         #: Per copied input, the buffer the graph reads it from, and the dims along which it is expanded (its buffer

@@ -385,6 +385,9 @@ class StepGraph:
         where the call's device work has not run), and why the step cannot be captured (None if it can)."""
         slots = self._slots
         graph = StepCapture()
+        if not self.emulated:
+            device = torch.device("cuda", torch.cuda.current_device())
+            _capture.allocate_blas_workspaces(device, autograd_thread=True)
         peak_before = 0 if self.emulated else torch.cuda.max_memory_allocated()
         tensor_idx = [i for i, a in enumerate(flat) if is_tensor(a)]
         graph.pick_args = picker(tensor_idx)
