@@ -74,6 +74,21 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+@contextlib.contextmanager
+def on_capture_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
+    """Runs the block on the capture stream of ``device`` with ``_capture_lock`` held.
+
+    The stream first waits for the work queued on the current stream; after the block, the current stream waits for
+    the block's work. A block that raises skips that wait: its handler decides what the failed work leaves behind.
+    """
+    with _capture_lock, torch.cuda.device(device):
+        stream = capture_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            yield stream
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+
 #: Per thread, the devices whose capture stream already has this thread's cuBLAS workspace.
 _blas_ready = threading.local()
 #: The devices whose autograd thread has one (autograd keeps one thread per device for the process).
@@ -83,14 +98,10 @@ _autograd_blas_ready: set[int] = set()
 def _run_matmuls(device: torch.device) -> None:
     """Runs the two kinds of cuBLAS matmul PyTorch uses (plain, and with a bias through cuBLASLt) once on the capture
     stream of ``device``; this thread then has its workspace for that stream."""
-    with _capture_lock, torch.cuda.device(device):
-        stream = capture_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            a = torch.ones(2, 2, device=device)
-            torch.mm(a, a)
-            torch.addmm(a[0], a, a)
-        torch.cuda.current_stream(device).wait_stream(stream)
+    with on_capture_stream(device):
+        a = torch.ones(2, 2, device=device)
+        torch.mm(a, a)
+        torch.addmm(a[0], a, a)
     _blas_ready.__dict__.setdefault("devices", set()).add(device.index)
 
 
@@ -182,21 +193,18 @@ class CudaBackend:
         No device-wide synchronisation and no ``empty_cache`` (both would break another thread's capture); the capture
         stream waits for the current stream instead. Raises :class:`CaptureFailed` with the RNG state restored.
         """
-        with _capture_lock, torch.cuda.device(device):
-            stream = capture_stream(device)
-            rng_state = torch.cuda.get_rng_state(device)
-            graph = torch.cuda.CUDAGraph()
-            stream.wait_stream(torch.cuda.current_stream(device))
+        rng_state = torch.cuda.get_rng_state(device)
+        graph = torch.cuda.CUDAGraph()
+        with on_capture_stream(device) as stream:
             gc_enabled = gc.isenabled()
             gc.disable()  # a collection during capture may free tensors and record events on other streams
             _capturing.active = True
             try:
-                with torch.cuda.stream(stream):
-                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                    try:
-                        outputs = fn(*args)
-                    finally:
-                        graph.capture_end()
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    outputs = fn(*args)
+                finally:
+                    graph.capture_end()
             except BaseException as e:
                 if PROTECTIONS["restore_rng_after_capture"]:
                     _reset_generator(stream, rng_state, device)
@@ -205,7 +213,6 @@ class CudaBackend:
                 _capturing.active = False
                 if gc_enabled:
                     gc.enable()
-            torch.cuda.current_stream(device).wait_stream(stream)
         return graph, tuple(outputs)
 
 

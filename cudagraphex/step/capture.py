@@ -16,7 +16,10 @@ from torch._C._dynamo.guards import TensorGuards
 from torch.utils import _pytree as pytree
 
 from cudagraphex import capture as _capture
-from cudagraphex.step.state import Slots, keep_slots
+from cudagraphex.runtime.guards import layout_guard
+from cudagraphex.runtime.staging import picker
+from cudagraphex.step.io import storages
+from cudagraphex.step.state import Slots, is_tensor, keep_slots
 
 __all__ = ["NOT_RUN", "NotCapturable", "StepCapture", "capture_cuda", "capture_emulated", "replay_emulated"]
 
@@ -54,6 +57,38 @@ class StepCapture:
         self.out_spec: Any = None
         self.replay_args: list[Any] = []
 
+    def stage(self, flat: list, spec: Any) -> list[int]:
+        """Copies the tensor arguments of the call ``flat`` into new buffers and makes the buffers what the capture
+        runs on; returns their version counters."""
+        tensor_idx = [i for i, a in enumerate(flat) if is_tensor(a)]
+        self.pick_args = picker(tensor_idx)
+        # Normal tensors, also under inference mode: the arguments the step writes are found by version counters.
+        with torch.inference_mode(False):
+            self.buffers = [
+                torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                for a in map(flat.__getitem__, tensor_idx)
+            ]
+        for buf, i in zip(self.buffers, tensor_idx, strict=True):
+            buf.copy_(flat[i])
+        self.arg_guard = layout_guard([flat[i] for i in tensor_idx])
+        call_flat = list(flat)
+        for buf, i in zip(self.buffers, tensor_idx, strict=True):
+            call_flat[i] = buf
+        self.replay_args = list(pytree.tree_unflatten(call_flat, spec))
+        return [buf._version for buf in self.buffers]
+
+    def hold(self, slots: list[torch.Tensor | None], hyperparameters: list) -> None:
+        """Records the state the graph was captured with: the slots' tensors after the capture and the optimizers'
+        hyperparameters, which replays are guarded on."""
+        self.slots = slots
+        self.hyperparameters = hyperparameters
+        self.state_idx = [i for i, t in enumerate(slots) if t is not None]
+        present = [slots[i] for i in self.state_idx]
+        self.state_ptrs = [t.data_ptr() for t in present]
+        self.ptr_idx = list(range(len(present)))
+        self.state_storages = storages(present)
+        self.state_guard = layout_guard(present)
+
 
 def capture_cuda(fn: Callable, graph: StepCapture, slots: Slots, before: list, pool: Any) -> Any:
     """Records ``fn`` on the buffers of ``graph`` into ``pool``; returns what ``fn`` returned (its outputs)."""
@@ -61,12 +96,10 @@ def capture_cuda(fn: Callable, graph: StepCapture, slots: Slots, before: list, p
     cuda_graph = torch.cuda.CUDAGraph()
     rng_state = torch.cuda.get_rng_state(device)
     gc_enabled = gc.isenabled()
-    with _capture._capture_lock:
-        stream = _capture.capture_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+    with _capture.on_capture_stream(device) as stream:
         gc.disable()
         try:
-            with torch.cuda.stream(stream), _capture.whole_step():
+            with _capture.whole_step():
                 cuda_graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     out = fn(*graph.replay_args[0], **graph.replay_args[1])
@@ -80,7 +113,6 @@ def capture_cuda(fn: Callable, graph: StepCapture, slots: Slots, before: list, p
         finally:
             if gc_enabled:
                 gc.enable()
-        torch.cuda.current_stream(device).wait_stream(stream)
     graph.graph = cuda_graph
     return out
 

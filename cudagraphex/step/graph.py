@@ -77,8 +77,7 @@ from torch.utils import _pytree as pytree
 from cudagraphex import capture as _capture
 from cudagraphex._protections import PROTECTIONS
 from cudagraphex.runtime import StrictModeError
-from cudagraphex.runtime.guards import addresses_equal, layout_guard
-from cudagraphex.runtime.staging import picker
+from cudagraphex.runtime.guards import addresses_equal
 from cudagraphex.step import buckets
 from cudagraphex.step.capture import (
     NOT_RUN,
@@ -389,25 +388,9 @@ class StepGraph:
             device = torch.device("cuda", torch.cuda.current_device())
             _capture.allocate_blas_workspaces(device, autograd_thread=True)
         peak_before = 0 if self.emulated else torch.cuda.max_memory_allocated()
-        tensor_idx = [i for i, a in enumerate(flat) if is_tensor(a)]
-        graph.pick_args = picker(tensor_idx)
-        # Normal tensors, also under inference mode: the arguments the step writes are found by version counters.
-        with torch.inference_mode(False):
-            graph.buffers = [
-                torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-                for a in map(flat.__getitem__, tensor_idx)
-            ]
-        for buf, i in zip(graph.buffers, tensor_idx, strict=True):
-            buf.copy_(flat[i])
-        graph.arg_guard = layout_guard([flat[i] for i in tensor_idx])
-        versions = [buf._version for buf in graph.buffers]
+        versions = graph.stage(flat, spec)
         # The emulated capture runs the step, so it shows what the step writes by value too.
         before_run = [buf.clone() for buf in graph.buffers] if self.emulated else None
-        call_flat = list(flat)
-        for buf, i in zip(graph.buffers, tensor_idx, strict=True):
-            call_flat[i] = buf
-        call_args, call_kwargs = pytree.tree_unflatten(call_flat, spec)
-        graph.replay_args = [call_args, call_kwargs]
         before = slots.tensors()
         hyperparameters = slots.hyperparameters()
 
@@ -444,15 +427,8 @@ class StepGraph:
             return None, on_arguments(out, graph.buffers, args), problem
         graph.outputs = [None if o is None else o.detach() for o in flat_out]
 
-        graph.slots = after
-        graph.hyperparameters = hyperparameters
+        graph.hold(after, hyperparameters)
         graph.spec, graph.host_values, graph.modes = spec, host_values(flat), key[1]
-        graph.state_idx = [i for i, t in enumerate(after) if t is not None]
-        present = [after[i] for i in graph.state_idx]
-        graph.state_ptrs = [t.data_ptr() for t in present]
-        graph.ptr_idx = list(range(len(present)))
-        graph.state_storages = storages(present)
-        graph.state_guard = layout_guard(present)
         moved = unsettled(before, after)
         self._report.not_captured = None
         logger.info(
