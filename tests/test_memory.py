@@ -80,32 +80,20 @@ def test_deleting_the_function_and_model_gives_back_their_memory(backend, kind):
 _FIRST_CAPTURES = """
 import torch
 from benchmarks.models import mlp
-from cudagraphex import explain, graph_step
+from cudagraphex import explain
 from tests.helpers import BACKENDS, jit
+from tests.test_memory import _whole_step
 
 backend = BACKENDS["cuda"]
 model = mlp(3, 64).cuda()
 compiled = jit(model, backend.executor)
+fn = compiled if "{kind}" == "regions" else _whole_step(compiled, model, backend)
 x = torch.randn(8, 64, device="cuda")
-if "{kind}" == "regions":
-    for _ in range(4):
-        compiled(x).square().mean().backward()
-    pool_bytes = explain(compiled).pool_bytes
-else:
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-
-    def step(x):
-        opt.zero_grad()
-        loss = compiled(x).square().mean()
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    stepped = graph_step(step, modules=[model], optimizers=[opt])
-    for _ in range(4):
-        stepped(x)
-    pool_bytes = explain(stepped).pool_bytes
-print(pool_bytes)
+for _ in range(4):
+    out = fn(x)
+    if "{kind}" == "regions":
+        out.square().mean().backward()
+print(explain(fn).pool_bytes)
 """
 
 

@@ -385,9 +385,9 @@ def test_a_backward_reading_attention_rng_state_captures_on_the_call_after_its_w
 
 
 @pytest.mark.cuda
-def test_region_graphs_train_within_a_tenth_of_thunders_peak_memory():
+def test_region_graphs_train_within_a_twentieth_of_thunders_peak_memory():
     """The peak of allocated memory over a few training steps of a GPT, from before its model is built: region graphs
-    at most 1.10x plain Thunder's.
+    at most 1.05x plain Thunder's.
 
     A first round of both variants builds the process-wide caches: cuBLAS's workspaces (32 MiB each on an H100) for
     each stream and thread that runs a matmul, the capture stream's among them. Whether this process had built them
@@ -420,4 +420,4 @@ def test_region_graphs_train_within_a_tenth_of_thunders_peak_memory():
     peak(None), peak(graphed_executors)
     plain, _ = peak(None)
     graphed, report = peak(graphed_executors)
-    assert graphed <= 1.10 * plain, (graphed / 2**20, plain / 2**20, report)
+    assert graphed <= 1.05 * plain, (graphed / 2**20, plain / 2**20, report)
