@@ -68,9 +68,14 @@ def changed_buffers(buffers: list[torch.Tensor], before: list[torch.Tensor], wri
     """``written`` (the argument buffers whose version counters a step's capture bumped) with every buffer whose values
     differ from ``before`` (its copy from before the step's first run). Version counters alone miss writes: Inductor's
     kernels inside a call that records autograd (Thunder's torch.compile executor in training) write an argument
-    without bumping its counter. A write that leaves every value as it was in that first run is not seen."""
-    changed = {i for i, (buf, old) in enumerate(zip(buffers, before, strict=True)) if not torch.equal(buf, old)}
+    without bumping its counter. Values are compared bit by bit (a NaN equals itself); a write that leaves every bit
+    as it was in that first run is not seen."""
+    changed = {i for i, (buf, old) in enumerate(zip(buffers, before, strict=True)) if not _same_bits(buf, old)}
     return sorted(changed.union(written))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def storages(tensors: Iterable[torch.Tensor | None]) -> frozenset[int]:
