@@ -75,7 +75,7 @@ def changed_buffers(buffers: list[torch.Tensor], before: list[torch.Tensor], wri
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
 
 
 def storages(tensors: Iterable[torch.Tensor | None]) -> frozenset[int]:

@@ -174,12 +174,12 @@ def test_an_argument_written_in_place_is_updated_once_per_call(backend):
 
 
 def test_an_argument_the_step_only_reads_is_not_written_back(backend):
-    """Not even where it holds a NaN, which is unequal to itself: a write-back bumps the argument's version counter,
-    and an autograd graph of the caller's that saved the argument then fails in its backward."""
+    """Not even where it holds a NaN, which is unequal to itself, or is strided: a write-back bumps the argument's
+    version counter, and an autograd graph of the caller's that saved the argument then fails in its backward."""
     step = graph_step(lambda x: x * 2, warmup_calls=1, backend=backend.name)
     weight = torch.ones((), device=backend.device, requires_grad=True)
     for _ in range(4):
-        x = torch.randn(3, device=backend.device)
+        x = torch.randn(3, 2, device=backend.device)[:, 0]
         x[0] = float("nan")
         saved_x = (x * weight).sum()
         torch.testing.assert_close(step(x), x * 2, equal_nan=True)
