@@ -124,6 +124,12 @@ def with_item(x):
     return (torch.cos(y) * 3 + x).exp() * s
 
 
+def square_written_by_its_own_mul(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    square = x.square()
+    square.mul_(x)  # its gradient for x reads the square as it was before the write (eager's original_self)
+    return square, x.sum()
+
+
 def conv_bn(channels: int = 8) -> nn.Sequential:
     """A small conv + BatchNorm + ReLU network (BatchNorm updates its running statistics in training mode)."""
     return nn.Sequential(

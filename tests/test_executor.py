@@ -27,6 +27,7 @@ from tests.helpers import (
     regions,
     replays,
     small_gpt,
+    square_written_by_its_own_mul,
     twin,
     with_item,
 )
@@ -568,6 +569,27 @@ def test_rematerialization_never_recomputes_from_memory_written_since(backend, f
     # executor would make the backward's fusion recompute it from s, and so read the doubled values. s is a buffer:
     # the same tensor on every call.
     _trains_as_eager_beside_a_fuser(f, backend, torch.randn(3, 6, device=backend.device))
+
+
+@pytest.mark.parametrize("fuser", [False, True], ids=["alone", "beside_torch_compile"])
+def test_the_backward_reads_what_an_in_place_op_wrote_over_as_it_was_before(backend, fuser):
+    # Thunder's backward reads the square by its name, after the write changed its memory. With Thunder's
+    # torch.compile executor alone, rematerialization happens to recompute it; with cudagraphex first, the region
+    # keeps a copy taken before the write for the backward.
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    fusers = [torch_compile_ex] if fuser else []
+    jf = thunder.jit(
+        square_written_by_its_own_mul, executors=[backend.executor, *fusers, *thunder.get_default_executors()]
+    )
+    for _ in range(4):
+        x = torch.randn(2, 6, device=backend.device, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        (cube, total), (expected_cube, expected_total) = jf(x), square_written_by_its_own_mul(x_ref)
+        (cube.sum() + total).backward()
+        (expected_cube.sum() + expected_total).backward()
+        torch.testing.assert_close((cube, total, x.grad), (expected_cube, expected_total, x_ref.grad))
+    assert replays(jf, backend.executor) >= 2
 
 
 def test_a_write_left_out_of_graphs_beside_a_fusion_executor_is_applied(backend):

@@ -10,7 +10,8 @@ into a view of a leaf that requires grad, which eager refuses and cudagraphex ru
 ``.detach()``, whole steps whose cotangents plain Thunder makes from outputs it writes only in its backward,
 whole steps whose loss or input write plain Thunder misses where Thunder's torch.compile fusion executor agrees with
 cudagraphex, backwards that cudagraphex refuses for a written input that Thunder's rematerialization saves (both
-agree with it turned off), values within a tolerance where cudagraphex is as close to eager as plain Thunder, and
+agree with it turned off), gradients of backwards that eager refuses where cudagraphex gives an in-place op's own
+gradient the value before the write (both agree without that copy), values within a tolerance where cudagraphex is as close to eager as plain Thunder, and
 writes into outputs that Thunder's autograd function returns as views, refused as without a fusion executor.
 """
 
@@ -559,6 +560,33 @@ def test_an_input_that_rematerialization_saves_is_excused_where_plain_thunder_fa
     (failure,) = check(program).failures
     assert failure.step == 2 and failure.symptom.startswith("reference raises Unsupported, cudagraphex RuntimeError")
     assert "with rematerialization off both agree" in failure.excused
+
+
+@pytest.mark.parametrize("position", ["first", "last"])
+def test_an_in_place_ops_own_gradient_read_before_its_write_is_excused_where_eager_refuses_the_backward(position):
+    """``mul_``'s gradient for ``v1`` reads ``v0`` as it was before the write; cudagraphex gives it that value, plain
+    Thunder the written one. Eager refuses the backward, as ``sqrt`` saved its result, which the write changed (Thunder
+    recomputes it instead). Built without cudagraphex's copy, both run the program alike: excused."""
+    lines = [
+        Line("v0 = x0.abs().sqrt()", "v0", frozenset({"x0"}), False, "unary"),
+        Line("v1 = torch.tanh(x0)", "v1", frozenset({"x0"}), False, "unary"),
+        Line("v0.mul_(v1)", None, frozenset({"v0", "v1"}), True, "inplace_intermediate"),
+    ]
+    program = Program(
+        seed=0,
+        module=False,
+        width=4,
+        batches=(4,),
+        tensors=[TensorSpec("x0", "BD", "x", requires_grad=True)],
+        lines=lines,
+        outputs=["v0"],
+        steps=[Step("call", Mode(), loss="now")],
+        position=position,
+        min_region_size=1,
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 0 and failure.symptom.startswith("grad of")
+    assert "as eager's original_self" in failure.excused
 
 
 def test_values_within_a_tolerance_are_excused_where_cudagraphex_is_as_close_to_eager_as_plain_thunder():

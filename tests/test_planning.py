@@ -13,6 +13,7 @@ from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 
 import cudagraphex.executor as executor_module
+import cudagraphex.planning.regions as regions_module
 from benchmarks.models import GPT, GPTConfig
 from cudagraphex import CUDAGraphExecutor
 from cudagraphex.planning.regions import RegionSpec
@@ -26,6 +27,7 @@ from tests.helpers import (
     regions,
     replays,
     small_gpt,
+    square_written_by_its_own_mul,
     twin,
     with_item,
 )
@@ -194,6 +196,59 @@ def test_what_is_computed_from_memory_written_later_is_not_recomputable():
     # The write in the region itself: what it returns is not recomputable either (a recomputation would write again).
     whole = RegionSpec([before, write, after], [s], [before.output, write.output, after.output], "cpu", "forward")
     assert not_recomputable([whole]) == {0: frozenset({before.output.name, write.output.name})}
+
+
+def _mul_of_itself(x):  # eager refuses its backward: mul_ saved its other argument, which it wrote
+    s = x * 2
+    s.mul_(s)
+    return s
+
+
+def _saved_then_written(x):  # eager refuses its backward: the product saved s, which mul_ then wrote
+    s = x * 2
+    t = s * x
+    s.mul_(x)
+    return s, t
+
+
+def _written_where_nothing_saved_it(x):
+    h = x * 2
+    h.add_(0.25)
+    return h.sin()
+
+
+def _no_write(x):
+    return (x.square() * x).sin()
+
+
+@pytest.mark.parametrize(
+    ("f", "snapshots"),
+    [
+        (square_written_by_its_own_mul, 1),
+        (_mul_of_itself, 0),
+        (_saved_then_written, 0),
+        (_written_where_nothing_saved_it, 0),
+        (_no_write, 0),
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
+def test_a_region_copies_only_what_an_in_place_op_reads_as_itself_for_the_backward(monkeypatch, f, snapshots):
+    # Where eager refuses the backward, and where no write follows what the backward reads, the regions are planned
+    # as without copies.
+    def planned() -> list[tuple[list[str], list[str], list[str]]]:
+        jf = thunder.jit(f, executors=[emulated, *thunder.get_default_executors()])
+        out = jf(torch.randn(2, 6, requires_grad=True))
+        sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+        specs = [graphs(jf, emulated).fusions[r.name].spec for r in regions(jf, emulated)]
+        return [
+            ([b.sym.name for b in s.bound_symbols], [p.name for p in s.inputs], [p.name for p in s.outputs])
+            for s in specs
+        ]
+
+    with_copies = planned()
+    assert sum(members.count("clone") for members, _, _ in with_copies) == snapshots
+    monkeypatch.setattr(regions_module, "with_snapshots", lambda sequence, trace: sequence, raising=False)
+    assert (with_copies == planned()) is (snapshots == 0)
 
 
 def test_refused_rematerialization_reads_what_an_earlier_graph_returns_though_no_plan_read_it():

@@ -15,6 +15,9 @@ Two hazards can only be seen once runs exist, so forming regions iterates until 
   that holds it moves to the backward pass unless one of its outputs is needed by the forward; such a write is kept
   out of the graph too.
 
+In a joint trace, a region that defines a tensor an in-place op then writes, and whose value before the write the
+backward reads, also returns a copy of it taken before the write (:mod:`~cudagraphex.planning.snapshots`).
+
 Regions can change after they are planned: every fusion executor after cudagraphex runs Thunder's rematerialization
 on the whole trace, which treats a forward and a backward graph like two fusions (see
 :func:`~cudagraphex.planning.rematerialization.refused_rematerialization`).
@@ -32,6 +35,7 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 
 from cudagraphex.planning.safety import TRANSPARENT, UNPACKS, is_inplace_write, rng_state_args
+from cudagraphex.planning.snapshots import with_snapshots
 from cudagraphex.planning.static_inputs import classify_inputs, static_names
 from cudagraphex.planning.symbols import (
     count_ops,
@@ -230,6 +234,7 @@ class _Planner:
             plan = self._form(extra)
             hazards = self._hazards(plan)
             if not hazards:
+                plan.sequence = with_snapshots(plan.sequence, self.trace)
                 self._mark_returned(plan)
                 _mark_last_reads(plan)
                 plan.caller_outputs = frozenset(n for n in self.trace_outputs if self._from_caller(n))

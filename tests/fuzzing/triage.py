@@ -14,6 +14,7 @@ from thunder.core.pytree import tree_flatten
 
 from cudagraphex import CUDAGraphExecutor
 from tests.fuzzing.compare import Failure, abs_difference, compare_step, compare_value, normalise, value_mode
+from tests.fuzzing.original_self import original_self_copied
 from tests.fuzzing.programs import Line, Program, Step
 from tests.fuzzing.world import BackendSpec, Observations, TensorSnapshot, World, compile_source, lockstep
 
@@ -21,14 +22,15 @@ _MISSING = object()
 
 
 def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> None:
-    """Sets ``failure.excused`` where other runs of the program show that plain Thunder is the one that differs, or
-    that the difference is Thunder's own choice made on other fusions. First by eager PyTorch run beside cudagraphex
-    up to the failing step (:func:`_eager_verdict`); then by the verdicts below, each of which says what it needs:
+    """Sets ``failure.excused`` where other runs of the program show that plain Thunder is the one that differs, or that
+    the difference is Thunder's own choice made on other fusions. First by eager PyTorch run beside cudagraphex up to
+    the failing step (:func:`_eager_verdict`); then by the verdicts below, each of which says what it needs:
     :func:`_write_not_read`, :func:`_leaf_written_through_a_view`, :func:`_cotangents_of_an_unwritten_output`,
-    :func:`_saved_by_rematerialization`, :func:`_closer_to_eager`, :func:`_a_view_as_without_a_fusion_executor`; for
-    an output that plain Thunder connects to autograd and cudagraphex does not, :func:`_a_fusion_executor_agrees` and
-    :func:`_thunders_backward_has_no_gradient`; for a whole step's loss or input write that plain Thunder misses,
-    :data:`_MISSED_BY_A_MOVED_WRITE` where Thunder with its torch.compile fusion executor agrees with cudagraphex."""
+    :func:`_saved_by_rematerialization`, :func:`_closer_to_eager`, :func:`original_self_copied`,
+    :func:`_a_view_as_without_a_fusion_executor`; for an output that plain Thunder connects to autograd and cudagraphex
+    does not, :func:`_a_fusion_executor_agrees` and :func:`_thunders_backward_has_no_gradient`; for a whole step's loss
+    or input write that plain Thunder misses, :data:`_MISSED_BY_A_MOVED_WRITE` where Thunder with its torch.compile
+    fusion executor agrees with cudagraphex."""
     program = failure.program
     if failure.symptom.startswith("raises only without cudagraphex") and _THUNDER_FUNCTION_VIEW in failure.symptom:
         failure.excused = (
@@ -45,6 +47,7 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
         or _cotangents_of_an_unwritten_output(failure, backend, ex)
         or _saved_by_rematerialization(failure, backend, ex)
         or _closer_to_eager(failure, backend, ex)
+        or original_self_copied(failure, backend, ex)
         or _a_view_as_without_a_fusion_executor(failure, backend)
     )
     if not failure.excused and _connected_only_by_thunder(failure):
