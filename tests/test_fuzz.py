@@ -5,14 +5,15 @@ See :mod:`tests.fuzzing`. A failure prints each failing seed with its program an
 where plain Thunder is the one that departs from eager PyTorch, and cudagraphex agrees with eager, are listed but not
 counted; so are outputs left out of autograd (requires_grad, is_leaf) as they are with Thunder's own torch.compile
 fusion executor, or where plain Thunder's backward for the call returns no gradient, and backwards that plain Thunder
-refuses for an input written after the forward where cudagraphex's gradients do not depend on the write, writes
-into a view of a leaf that requires grad, which eager refuses and cudagraphex runs as eager runs them through
-``.detach()``, whole steps whose cotangents plain Thunder makes from outputs it writes only in its backward,
-whole steps whose loss or input write plain Thunder misses where Thunder's torch.compile fusion executor agrees with
-cudagraphex, backwards that cudagraphex refuses for a written input that Thunder's rematerialization saves (both
-agree with it turned off), gradients of backwards that eager refuses where cudagraphex gives an in-place op's own
-gradient the value before the write (both agree without that copy), values within a tolerance where cudagraphex is as close to eager as plain Thunder, and
-writes into outputs that Thunder's autograd function returns as views, refused as without a fusion executor.
+refuses for an input written after the forward where cudagraphex's gradients do not depend on the write, writes into a
+view of a leaf that requires grad, which eager refuses and cudagraphex runs as eager runs them through ``.detach()``,
+whole steps whose cotangents plain Thunder makes from outputs it writes only in its backward, whole steps whose loss
+or input write plain Thunder misses where Thunder's torch.compile fusion executor agrees with cudagraphex, backwards
+that cudagraphex refuses for a written input that Thunder's rematerialization saves (both agree with it turned off),
+gradients of backwards that eager refuses where cudagraphex gives an in-place op's own gradient the value before the
+write (both agree without that copy), values within a tolerance where cudagraphex is as close to eager as plain
+Thunder, and writes into outputs that Thunder's autograd function returns as views, refused as without a fusion
+executor.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ the one defining ``P``; the region returns the clone, and ``P`` only while somet
 ``get_grad``, ``update_aliases``, ``del`` and in-place writes keep reading ``P``: they refer to the tensor itself.
 A trace without such a read is left as it is.
 
-A ``P`` defined outside graphs keeps Thunder's behaviour: a clone there is read by the backward alone, so Thunder's split
-would move it into the backward, after the write; only a region, whose other outputs the forward needs, keeps it in
-the forward.
+A ``P`` defined outside graphs keeps Thunder's behaviour: a clone there is read by the backward alone, so Thunder's
+split would move it into the backward, after the write; only a region, whose other outputs the forward needs, keeps it
+in the forward.
 """
 
 from __future__ import annotations
