@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from tests.fuzzing.programs import Program
-from tests.fuzzing.world import BackendSpec, Observations, TensorSnapshot
+from tests.fuzzing.world import BackendSpec, Observations, TensorSnapshot, World, lockstep
 
 
 @dataclass
@@ -183,3 +183,13 @@ def compare_step(program: Program, backend: BackendSpec, index: int, ref: Observ
         detail = f"{len(ref.items)} observations against {len(got.items)}"
         return Failure(program.seed, index, "observations", detail, "other observations", program)
     return None
+
+
+def run_alike(
+    program: Program, backend: BackendSpec, worlds: tuple[World, World], steps: list, *, seeded: bool
+) -> bool:
+    """Whether both ``worlds`` run ``steps`` in lock-step without raising and observe the same after each."""
+    for index, (a, b) in lockstep(program, worlds, steps, seeded=seeded):
+        if a.raised is not None or b.raised is not None or compare_step(program, backend, index, a, b):
+            return False
+    return True

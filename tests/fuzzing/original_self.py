@@ -7,7 +7,7 @@ from unittest import mock
 
 from cudagraphex import CUDAGraphExecutor
 from cudagraphex.planning import regions
-from tests.fuzzing.compare import Failure, compare_step
+from tests.fuzzing.compare import Failure, run_alike
 from tests.fuzzing.world import BackendSpec, World, compile_source, lockstep
 
 _SAVED_TENSOR_WRITTEN = "one of the variables needed for gradient computation has been modified by an inplace"
@@ -41,9 +41,8 @@ def original_self_copied(failure: Failure, backend: BackendSpec, ex: CUDAGraphEx
             cgx = World(program, backend, ex, compile_source(program, "cudagraphex, no copies before writes"))
         except Exception:  # noqa: BLE001 - no verdict
             return ""
-        for index, (a, b) in lockstep(program, (ref, cgx), steps, seeded=not program.threads):
-            if a.raised is not None or b.raised is not None or compare_step(program, backend, index, a, b):
-                return ""
+        if not run_alike(program, backend, (ref, cgx), steps, seeded=not program.threads):
+            return ""
     return (
         "eager refuses the backward (a tensor saved for it written in place); cudagraphex gives the in-place op's own"
         " gradient the value before the write, as eager's original_self, where plain Thunder reads the written one;"

@@ -13,7 +13,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
 from cudagraphex import CUDAGraphExecutor
-from tests.fuzzing.compare import Failure, abs_difference, compare_step, compare_value, normalise, value_mode
+from tests.fuzzing.compare import Failure, abs_difference, compare_step, compare_value, normalise, run_alike, value_mode
 from tests.fuzzing.original_self import original_self_copied
 from tests.fuzzing.programs import Line, Program, Step
 from tests.fuzzing.world import BackendSpec, Observations, TensorSnapshot, World, compile_source, lockstep
@@ -273,9 +273,8 @@ def _cotangents_of_an_unwritten_output(failure: Failure, backend: BackendSpec, e
     eager, plain, cgx = (_outputs(o) for o in observed)
     if compare_step(program, backend, index, eager, cgx) or not compare_step(program, backend, index, plain, cgx):
         return ""
-    for index, (t, c) in lockstep(program, (thunder_ones, cgx_ones), steps, seeded=not program.threads):
-        if t.raised is not None or c.raised is not None or compare_step(program, backend, index, t, c):
-            return ""
+    if not run_alike(program, backend, (thunder_ones, cgx_ones), steps, seeded=not program.threads):
+        return ""
     return (
         "plain Thunder moves an in-place write of the forward into its backward, so a whole step makes its cotangents"
         " from outputs that miss it, where eager and cudagraphex have it; with cotangents of ones both Thunder paths"
