@@ -36,6 +36,13 @@ WHOLE_STEP_PROGRAMS = 150
 BUCKETED_PROGRAMS = 120
 
 
+def _program(**fields) -> Program:
+    """A hand-written :class:`Program`: seed 0, a function (not a module), width 4, one batch of 2, cudagraphex first,
+    regions of one symbol, unless ``fields`` say otherwise."""
+    defaults = {"seed": 0, "module": False, "width": 4, "batches": (2,), "position": "first", "min_region_size": 1}
+    return Program(**(defaults | fields))
+
+
 def _report(result, limit: int = 12) -> str:
     failures = result.counted
     shown = "\n\n".join(f.report() for f in failures[:limit])
@@ -114,17 +121,11 @@ def test_requires_grad_that_thunder_loses_with_any_fusion_executor_is_excused():
         Line("v1 = v0 * 2", "v1", frozenset({"v0"}), False, "binary"),
         Line("v0.relu_()", None, frozenset({"v0"}), True, "inplace_intermediate"),
     ]
-    program = Program(
-        seed=0,
-        module=False,
-        width=4,
-        batches=(2,),
+    program = _program(
         tensors=[TensorSpec("x0", "BD", "x", requires_grad=True)],
         lines=lines,
         outputs=["v1"],
         steps=[Step("call", Mode())],
-        position="first",
-        min_region_size=1,
     )
     (failure,) = check(program).failures
     assert failure.symptom == "outN: requires_grad"
@@ -143,10 +144,8 @@ def test_requires_grad_under_no_grad_that_only_an_empty_thunder_backward_gives_i
         Line("v1 = self.m0[: x1.shape[0]] * 2", "v1", frozenset({"x1", "self.m0"}), False, "readback"),
     ]
     grad_call = Step("call", Mode(), loss="retain", form="direct")
-    program = Program(
-        seed=0,
+    program = _program(
         module=True,
-        width=4,
         batches=(4,),
         tensors=[
             TensorSpec("x0", "BD", "x"),
@@ -157,7 +156,6 @@ def test_requires_grad_under_no_grad_that_only_an_empty_thunder_backward_gives_i
         lines=lines,
         outputs=["v1"],
         steps=[grad_call, grad_call, Step("call", Mode(grad=False))],
-        position="first",
         min_region_size=2,
     )
     (failure,) = check(program).failures
@@ -174,10 +172,7 @@ def test_requires_grad_that_only_a_failing_empty_thunder_backward_gives_is_excus
         Line("s0[0].add_(1)", None, frozenset({"s0"}), True, "write_input"),
         Line("v0.sub_(x0.detach())", None, frozenset({"v0", "x0"}), True, "inplace_intermediate"),
     ]
-    program = Program(
-        seed=0,
-        module=False,
-        width=4,
+    program = _program(
         batches=(3,),
         tensors=[TensorSpec("x0", "BD", "x", requires_grad=True), TensorSpec("s0", "D", "state")],
         lines=lines,
@@ -201,11 +196,8 @@ def test_a_view_of_a_parameter_that_only_an_empty_thunder_backward_connects_is_e
         Line("v0 = x0.detach()", "v0", frozenset({"x0"}), False, "detach"),
         Line("v0.mul_(0.9).add_(v0.detach())", None, frozenset({"v0"}), True, "write_input"),
     ]
-    program = Program(
-        seed=0,
+    program = _program(
         module=True,
-        width=4,
-        batches=(2,),
         tensors=[
             TensorSpec("x0", "BD", "x", requires_grad=True),
             TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
@@ -214,7 +206,6 @@ def test_a_view_of_a_parameter_that_only_an_empty_thunder_backward_connects_is_e
         outputs=["self.w0[0]"],
         steps=[Step("call", Mode())],
         position="last",
-        min_region_size=1,
     )
     (failure,) = check(program).failures
     assert failure.symptom == "outN: is_leaf"
@@ -227,11 +218,8 @@ def test_calls_under_autocast_are_compiled_and_compared_apart():
     lines = [
         Line("v0 = F.linear(x0, self.w0, self.p0)", "v0", frozenset({"x0", "self.w0", "self.p0"}), False, "linear")
     ]
-    program = Program(
-        seed=0,
+    program = _program(
         module=True,
-        width=4,
-        batches=(2,),
         tensors=[
             TensorSpec("x0", "BD", "x"),
             TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
@@ -240,8 +228,6 @@ def test_calls_under_autocast_are_compiled_and_compared_apart():
         lines=lines,
         outputs=["v0"],
         steps=[Step("call", Mode(), loss="now"), Step("call", Mode(autocast=True), loss="now")],
-        position="first",
-        min_region_size=1,
     )
     outcome = check(program)
     assert not outcome.failures and not outcome.raised_in_both
@@ -257,17 +243,12 @@ def test_a_forward_after_a_backward_that_eager_refuses_is_judged_by_eager():
         Line("v0 = torch.relu(x0)", "v0", frozenset({"x0"}), False, "unary"),
         Line("v0[:, 0].mul_(2)", None, frozenset({"v0"}), True, "inplace_intermediate"),
     ]
-    program = Program(
+    program = _program(
         seed=10,
-        module=False,
-        width=4,
-        batches=(2,),
         tensors=[TensorSpec("x0", "BD", "x", requires_grad=True)],
         lines=lines,
         outputs=["v0"],
         steps=[Step("call", Mode(), loss="now"), Step("call", Mode())],
-        position="first",
-        min_region_size=1,
     )
     (failure,) = check(program).failures
     assert failure.step == 1 and failure.symptom == "outN: values"
@@ -283,9 +264,7 @@ def test_a_whole_step_after_one_whose_backward_eager_refuses_is_judged_by_eager(
         Line("v0 = F.linear(x1, self.w0, self.p0)", "v0", frozenset({"x1", "self.w0", "self.p0"}), False, "linear"),
         Line("x1[0].add_(1)", None, frozenset({"x1"}), True, "write_input"),
     ]
-    program = Program(
-        seed=0,
-        module=False,
+    program = _program(
         width=6,
         batches=(4,),
         tensors=[
@@ -297,7 +276,6 @@ def test_a_whole_step_after_one_whose_backward_eager_refuses_is_judged_by_eager(
         outputs=["v0"],
         steps=[Step("call", Mode(), loss="now", form="direct"), Step("call", Mode())],
         position="last",
-        min_region_size=1,
         whole_step=True,
         optimizer="none",
     )
@@ -314,10 +292,8 @@ def test_a_whole_step_input_write_that_only_plain_thunder_misses_is_judged_by_a_
         Line("v0 = F.linear(x0, self.w0, self.p0)", "v0", frozenset({"x0", "self.w0", "self.p0"}), False, "linear"),
         Line("x0[0].add_(1)", None, frozenset({"x0"}), True, "write_input"),
     ]
-    program = Program(
-        seed=0,
+    program = _program(
         module=True,
-        width=4,
         batches=(4,),
         tensors=[
             TensorSpec("x0", "BD", "state"),
@@ -328,7 +304,6 @@ def test_a_whole_step_input_write_that_only_plain_thunder_misses_is_judged_by_a_
         outputs=["v0"],
         steps=[Step("call", Mode(), loss="now", form="direct"), Step("call", Mode(grad=False))],
         position="last",
-        min_region_size=1,
         whole_step=True,
         optimizer="momentum",
     )
@@ -356,9 +331,7 @@ def test_a_write_that_only_plain_thunders_backward_reads_is_excused():
         Step("write_input", target="x1", variant=1),
         Step("backward", target="last"),
     ]
-    program = Program(
-        seed=0,
-        module=False,
+    program = _program(
         width=6,
         batches=(3,),
         tensors=[
@@ -369,8 +342,6 @@ def test_a_write_that_only_plain_thunders_backward_reads_is_excused():
         lines=lines,
         outputs=["v1"],
         steps=steps,
-        position="first",
-        min_region_size=1,
     )
     (failure,) = check(program).failures
     assert failure.step == 5 and failure.symptom.startswith("raises only without cudagraphex")
@@ -387,11 +358,8 @@ def test_a_write_into_a_view_of_a_leaf_that_requires_grad_is_excused_where_eager
         Line("v0.mul_(2)", None, frozenset({"v0"}), True, "write_grad_leaf"),
         Line("v2 = v1 @ self.w0.t()", "v2", frozenset({"v1", "self.w0"}), False, "matmul"),
     ]
-    program = Program(
-        seed=0,
+    program = _program(
         module=True,
-        width=4,
-        batches=(2,),
         tensors=[
             TensorSpec("x0", "BD", "x", requires_grad=True),
             TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
@@ -399,8 +367,6 @@ def test_a_write_into_a_view_of_a_leaf_that_requires_grad_is_excused_where_eager
         lines=lines,
         outputs=["v2"],
         steps=[Step("call", Mode(), layout="transposed")],
-        position="first",
-        min_region_size=1,
     )
     (failure,) = check(program).failures
     assert failure.symptom == "input NAME after the call: values"
@@ -417,8 +383,7 @@ def test_a_write_through_contiguous_into_a_leaf_that_requires_grad_is_excused_wh
         Line("v0.add_(v0)", None, frozenset({"v0"}), True, "inplace_intermediate"),
         Line("v1 = F.embedding(t0, self.e0)", "v1", frozenset({"t0", "self.e0"}), False, "embedding"),
     ]
-    program = Program(
-        seed=0,
+    program = _program(
         module=True,
         width=6,
         batches=(3,),
@@ -430,7 +395,6 @@ def test_a_write_through_contiguous_into_a_leaf_that_requires_grad_is_excused_wh
         lines=lines,
         outputs=["v1"],
         steps=[Step("call", Mode(), layout="transposed")],
-        position="first",
         min_region_size=2,
     )
     (failure,) = check(program).failures
@@ -446,11 +410,9 @@ def test_a_whole_step_whose_cotangents_plain_thunder_makes_before_a_forward_writ
         Line("v0 = F.linear(x0, self.w0, self.p0)", "v0", frozenset({"x0", "self.w0", "self.p0"}), False, "linear"),
         Line("v0[:, 0].mul_(2)", None, frozenset({"v0"}), True, "inplace_intermediate"),
     ]
-    program = Program(
-        seed=0,
+    program = _program(
         module=True,
         width=6,
-        batches=(2,),
         tensors=[
             TensorSpec("x0", "BD", "x"),
             TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
@@ -460,7 +422,6 @@ def test_a_whole_step_whose_cotangents_plain_thunder_makes_before_a_forward_writ
         outputs=["v0"],
         steps=[Step("call", Mode(), loss="now", form="direct")],
         position="last",
-        min_region_size=1,
         whole_step=True,
         optimizer="sgd",
     )
@@ -479,17 +440,13 @@ def test_a_write_into_a_view_of_a_leaf_in_a_random_program_is_judged_on_what_fai
         Line("v1.mul_(2)", None, frozenset({"v1"}), True, "write_grad_leaf"),
         Line("v2 = torch.tanh(v0)", "v2", frozenset({"v0"}), False, "unary"),
     ]
-    program = Program(
-        seed=0,
-        module=False,
-        width=4,
+    program = _program(
         batches=(4,),
         tensors=[TensorSpec("x0", "BD", "x", requires_grad=True), TensorSpec("x1", "BD", "x", requires_grad=True)],
         lines=lines,
         outputs=["v2"],
         steps=[Step("call", Mode(), layout="strided")],
         position="last",
-        min_region_size=1,
     )
     assert program.random
     (failure,) = check(program).failures
@@ -507,10 +464,8 @@ def test_an_input_that_rematerialization_saves_in_a_larger_region_is_excused_whe
         Line("v1 = x0.roll(1, 0)", "v1", frozenset({"x0"}), False, "view"),
         Line("v2 = v0 @ self.w0", "v2", frozenset({"v0", "self.w0"}), False, "matmul"),
     ]
-    program = Program(
-        seed=0,
+    program = _program(
         module=True,
-        width=4,
         batches=(4,),
         tensors=[
             TensorSpec("x0", "BD", "x"),
@@ -524,8 +479,6 @@ def test_an_input_that_rematerialization_saves_in_a_larger_region_is_excused_whe
             Step("write_input", target="x1"),
             Step("backward", target="first"),
         ],
-        position="first",
-        min_region_size=1,
         fuser=True,
     )
     (failure,) = check(program).failures
@@ -541,11 +494,7 @@ def test_an_input_that_rematerialization_saves_is_excused_where_plain_thunder_fa
         Line("v0 = (x0 * 0.5 + 0.25)", "v0", frozenset({"x0"}), False, "unary"),
         Line("v1 = v0.roll(1, 0)", "v1", frozenset({"v0"}), False, "view"),
     ]
-    program = Program(
-        seed=0,
-        module=False,
-        width=4,
-        batches=(2,),
+    program = _program(
         tensors=[TensorSpec("x0", "BD", "x", requires_grad=True)],
         lines=lines,
         outputs=["v1"],
@@ -554,8 +503,6 @@ def test_an_input_that_rematerialization_saves_is_excused_where_plain_thunder_fa
             Step("write_input", target="x0"),
             Step("backward", target="last", retain=True),
         ],
-        position="first",
-        min_region_size=1,
         fuser=True,
     )
     (failure,) = check(program).failures
@@ -573,17 +520,13 @@ def test_an_in_place_ops_own_gradient_read_before_its_write_is_excused_where_eag
         Line("v1 = torch.tanh(x0)", "v1", frozenset({"x0"}), False, "unary"),
         Line("v0.mul_(v1)", None, frozenset({"v0", "v1"}), True, "inplace_intermediate"),
     ]
-    program = Program(
-        seed=0,
-        module=False,
-        width=4,
+    program = _program(
         batches=(4,),
         tensors=[TensorSpec("x0", "BD", "x", requires_grad=True)],
         lines=lines,
         outputs=["v0"],
         steps=[Step("call", Mode(), loss="now")],
         position=position,
-        min_region_size=1,
     )
     (failure,) = check(program).failures
     assert failure.step == 0 and failure.symptom.startswith("grad of")
@@ -600,11 +543,10 @@ def test_values_within_a_tolerance_are_excused_where_cudagraphex_is_as_close_to_
         Line("s1.copy_(s0)", None, frozenset({"s1", "s0"}), True, "write_input"),
         Line("v1 = F.layer_norm(s1, s1.shape[-1:])", "v1", frozenset({"s1"}), False, "layer_norm"),
     ]
-    program = Program(
+    program = _program(
         seed=71068,
         module=True,
         width=6,
-        batches=(2,),
         tensors=[
             TensorSpec("x1", "BD", "x", requires_grad=True),
             TensorSpec("s0", "BD", "state"),
@@ -614,8 +556,6 @@ def test_values_within_a_tolerance_are_excused_where_cudagraphex_is_as_close_to_
         lines=lines,
         outputs=["v1", "v0"],
         steps=[Step("call", Mode())],
-        position="first",
-        min_region_size=1,
     )
     (failure,) = check(program).failures
     assert failure.nearly_equal and failure.symptom == "outN: values (within a tolerance)"
@@ -632,11 +572,9 @@ def test_a_write_into_a_view_output_is_excused_where_plain_thunder_refuses_it_wi
         Line("v1 = x1 * h0", "v1", frozenset({"x1", "h0"}), False, "item"),
         Line("v2 = v1.reshape(-1).view(v1.shape)", "v2", frozenset({"v1"}), False, "view"),
     ]
-    program = Program(
-        seed=0,
+    program = _program(
         module=True,
         width=6,
-        batches=(2,),
         tensors=[TensorSpec("x1", "BD", "x", requires_grad=True)],
         lines=lines,
         outputs=["v2"],
@@ -645,7 +583,6 @@ def test_a_write_into_a_view_output_is_excused_where_plain_thunder_refuses_it_wi
             Step("call", Mode(), keep="hold"),
             Step("write_output", target="c1", variant=4),
         ],
-        position="first",
         min_region_size=2,
         fuser=True,
     )
@@ -657,17 +594,12 @@ def test_a_write_into_a_view_output_is_excused_where_plain_thunder_refuses_it_wi
 def test_a_program_with_a_fusion_executor_is_compared_within_a_tolerance():
     """Inductor rounds by the fusions it is handed, which graph regions change; without a fusion executor the CPU
     replay backend is compared to the last bit."""
-    program = Program(
-        seed=0,
-        module=False,
-        width=4,
+    program = _program(
         batches=(4,),
         tensors=[],
         lines=[],
         outputs=[],
         steps=[],
-        position="first",
-        min_region_size=1,
     )
     ref, got = Observations(), Observations()
     value = torch.full((4,), 0.3)
