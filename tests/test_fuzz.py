@@ -112,6 +112,16 @@ def test_fuzz_whole_step_cuda():
         pytest.fail(_report(result), pytrace=False)
 
 
+@pytest.mark.cuda
+def test_fuzz_bucketed_cuda():
+    """40 programs (seeds 0-39) as serving steps with batch-size buckets on real CUDA graphs, where Thunder's SDPA
+    executor checks its kernels on fake tensors inside the row check's call."""
+    result = run_batch(range(BUCKETED_PROGRAMS // 3), "cuda", steps="bucketed")
+    assert result.programs == BUCKETED_PROGRAMS // 3
+    if result.counted:
+        pytest.fail(_report(result), pytrace=False)
+
+
 def test_requires_grad_that_thunder_loses_with_any_fusion_executor_is_excused():
     """Thunder's grad transform finds no gradient through the in-place write into ``x0.t().contiguous().t()``; plain
     Thunder's output requires grad only because Thunder moves that write into its backward. With its torch.compile

@@ -19,7 +19,8 @@ How rows are tracked
     from them alone carry no rows. A tensor given a size by the step (a factory such as ``zeros`` or ``arange``,
     ``expand``, ``repeat``) whose dim is a multiple of the batch size may have taken that size from the batch: it is
     ``Maybe(axes)`` until an elementwise op lines it up with a batch axis (it carries rows) or with a dim of a tensor
-    that carries rows elsewhere (it does not).
+    that carries rows elsewhere (it does not). Ops on meta or fake tensors alone (a compiler's work on shapes) hold no
+    rows and are not tracked.
 
 
 What refuses padding (the first such op is the reason)
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -49,7 +51,17 @@ __all__ = ["Maybe", "RowCheck", "Rows"]
 
 @functools.cache
 def _composite(func: torch._ops.OpOverload) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+    except RuntimeError:  # a TorchScript operator (``prim::device``), which the dispatcher does not hold
+        return False
+
+
+def _without_data(args: Any, kwargs: Any) -> bool:
+    """Whether the op gets tensors and all are meta or fake: a compiler's work on shapes (Thunder's SDPA checker
+    queries fake tensors while the first call compiles), through which no row flows."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.is_meta or isinstance(t, FakeTensor) for t in tensors)
 
 
 aten = torch.ops.aten
@@ -167,7 +179,7 @@ class RowCheck(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.problem is not None:
+        if self.problem is not None or _without_data(args, kwargs):
             return func(*args, **kwargs)
         if _composite(func):
             # Under inference mode composite ops (linear, layer_norm) reach the mode whole: checked as the ops they
@@ -299,14 +311,11 @@ class RowCheck(TorchDispatchMode):
             if t.shape[layout.axis + offset] != source.shape[layout.axis]:
                 raise _Refused("the batch axis is repeated")
             return Rows(layout.axis + offset, layout.inner)
+        shift = 0 if source is None else t.dim() - source.dim()
         known = (
-            set()
-            if source is None
-            else {
-                d + t.dim() - source.dim()
-                for d in range(source.dim())
-                if source.shape[d] == t.shape[d + t.dim() - source.dim()]
-            }
+            {d + shift for d in range(source.dim()) if source.shape[d] == t.shape[d + shift]}
+            if source is not None
+            else set()
         )
         axes = frozenset(d for d, s in enumerate(t.shape) if d not in known and s >= self.batch and s % self.batch == 0)
         return Maybe(axes) if axes and self.batch > 1 else None

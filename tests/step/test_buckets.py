@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.backends.cuda import SDPAParams
 
 from benchmarks.models import mlp
 from cudagraphex import StrictModeError, explain, graph_step
@@ -211,6 +213,25 @@ def test_the_check_bites(backend):
         x = _rows(backend, 3)
         assert explain(step).not_padded == {}
         assert not torch.allclose(step(x), x.sum(0))
+
+
+def test_a_compilers_work_on_fake_tensors_during_the_check_does_not_refuse_padding(backend):
+    """A step whose checked call compiles may query fake tensors: Thunder's SDPA checker on CUDA asks PyTorch which
+    attention kernel fits fake copies of its inputs, whose checks dispatch ``prim::device``. No row flows there."""
+
+    def fn(x):
+        with FakeTensorMode():
+            fake = torch.empty(1, 2, 4, 8)
+        torch.backends.cuda.can_use_flash_attention(SDPAParams(fake, fake, fake, None, 0.0, True, False))
+        return x * 2
+
+    step = graph_step(fn, capture_sizes=[4], backend=backend.name)
+    step.prepare(_rows(backend, 4))
+    x = _rows(backend, 3)
+    torch.testing.assert_close(step(x), x * 2)
+    report = explain(step)
+    assert report.not_padded == {}
+    assert report.padded_calls == 1
 
 
 def test_a_process_that_ran_torch_compile_is_not_padded(backend, monkeypatch):
