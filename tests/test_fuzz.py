@@ -601,6 +601,38 @@ def test_a_write_into_a_view_output_is_excused_where_plain_thunder_refuses_it_wi
     assert "plain Thunder without its fusion executor refuses it too" in failure.excused
 
 
+def test_a_gradient_that_thunders_fusion_executor_changes_is_excused_where_cudagraphex_gives_thunders_without_it():
+    """With its torch.compile executor, plain Thunder recomputes ``v0`` in the backward and runs the write into the
+    input again, so ``w0``'s gradient reads row 0 raised twice. Eager gives no verdict (Thunder marks the embedding as
+    requiring grad, so the cotangents differ); cudagraphex, with the fusion executor after it, gives the gradient that
+    Thunder gives without one: excused."""
+    lines = [
+        Line("v0 = x1.reshape(x1.shape[0], -1)", "v0", frozenset({"x1"}), False, "view"),
+        Line("v0[0].add_(1)", None, frozenset({"v0"}), True, "write_input"),
+        Line("v1 = v0 @ w0", "v1", frozenset({"v0", "w0"}), False, "matmul"),
+        Line("v2 = F.embedding(t0, e0)", "v2", frozenset({"t0", "e0"}), False, "embedding"),
+    ]
+    program = _program(
+        width=6,
+        tensors=[
+            TensorSpec("x1", "BD", "x"),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+            TensorSpec("t0", "T", "tokens"),
+            TensorSpec("e0", "VD", "param", init="torch.randn(vocab, d)"),
+        ],
+        lines=lines,
+        outputs=["v2", "v1"],
+        steps=[Step("call", Mode(), loss="now", form="direct")],
+        min_region_size=2,
+        fuser=True,
+    )
+    (failure,) = check(program).failures
+    assert failure.label == "grad of c0 w0"
+    assert "departs from plain Thunder without it" in failure.excused
+    plain = check(dataclasses.replace(program, fuser=False))
+    assert plain.failures == []
+
+
 def test_a_program_with_a_fusion_executor_is_compared_within_a_tolerance():
     """Inductor rounds by the fusions it is handed, which graph regions change; without a fusion executor the CPU
     replay backend is compared to the last bit."""

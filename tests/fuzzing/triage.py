@@ -14,6 +14,7 @@ from thunder.core.pytree import tree_flatten
 
 from cudagraphex import CUDAGraphExecutor
 from tests.fuzzing.compare import Failure, abs_difference, compare_step, compare_value, normalise, run_alike, value_mode
+from tests.fuzzing.fusion_executor import THUNDER_FUNCTION_VIEW, a_view_as_without_a_fusion_executor, fuser_departs
 from tests.fuzzing.original_self import original_self_copied
 from tests.fuzzing.programs import Line, Program, Step
 from tests.fuzzing.world import BackendSpec, Observations, TensorSnapshot, World, compile_source, lockstep
@@ -27,12 +28,12 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
     the failing step (:func:`_eager_verdict`); then by the verdicts below, each of which says what it needs:
     :func:`_write_not_read`, :func:`_leaf_written_through_a_view`, :func:`_cotangents_of_an_unwritten_output`,
     :func:`_saved_by_rematerialization`, :func:`_closer_to_eager`, :func:`original_self_copied`,
-    :func:`_a_view_as_without_a_fusion_executor`; for an output that plain Thunder connects to autograd and cudagraphex
-    does not, :func:`_a_fusion_executor_agrees` and :func:`_thunders_backward_has_no_gradient`; for a whole step's loss
+    :func:`a_view_as_without_a_fusion_executor`, :func:`fuser_departs`; for an output that plain Thunder connects to
+    autograd and cudagraphex does not, :func:`_a_fusion_executor_agrees` and :func:`_thunders_backward_has_no_gradient`; for a whole step's loss
     or input write that plain Thunder misses, :data:`_MISSED_BY_A_MOVED_WRITE` where Thunder with its torch.compile
     fusion executor agrees with cudagraphex."""
     program = failure.program
-    if failure.symptom.startswith("raises only without cudagraphex") and _THUNDER_FUNCTION_VIEW in failure.symptom:
+    if failure.symptom.startswith("raises only without cudagraphex") and THUNDER_FUNCTION_VIEW in failure.symptom:
         failure.excused = (
             "an error of Thunder's autograd function, which returns outputs as views of one another; eager and"
             " cudagraphex hand out plain tensors and views, which autograd lets the caller write"
@@ -48,7 +49,8 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
         or _saved_by_rematerialization(failure, backend, ex)
         or _closer_to_eager(failure, backend, ex)
         or original_self_copied(failure, backend, ex)
-        or _a_view_as_without_a_fusion_executor(failure, backend)
+        or a_view_as_without_a_fusion_executor(failure, backend)
+        or fuser_departs(failure, backend, ex)
     )
     if not failure.excused and _connected_only_by_thunder(failure):
         no_gradient = (
@@ -282,36 +284,6 @@ def _cotangents_of_an_unwritten_output(failure: Failure, backend: BackendSpec, e
     )
 
 
-def _a_view_as_without_a_fusion_executor(failure: Failure, backend: BackendSpec) -> str:
-    """Why only cudagraphex refuses an in-place write into an output of Thunder's autograd function that is a view,
-    where Thunder's fusion executor runs in both; empty for no verdict. Inductor returns a new tensor where a view is
-    asked for; cudagraphex returns the view, as Thunder's other executors do, and autograd refuses writes into views
-    that a custom function returns. The verdict needs plain Thunder without the fusion executor to refuse the write at
-    the same step for the same reason."""
-    program = failure.program
-    if not (
-        program.fuser
-        and failure.symptom.startswith("raises only with cudagraphex")
-        and _THUNDER_FUNCTION_VIEW in failure.symptom
-    ):
-        return ""
-    unfused = dataclasses.replace(program, fuser=False)
-    try:
-        ref = World(unfused, backend, None, compile_source(unfused, "reference without a fusion executor"))
-    except Exception:  # noqa: BLE001 - no verdict
-        return ""
-    steps = unfused.steps[: failure.step + 1]
-    for index, (r,) in lockstep(unfused, (ref,), steps, seeded=not program.threads):
-        if r.raised is not None:
-            if index == failure.step and _THUNDER_FUNCTION_VIEW in normalise(str(r.raised)):
-                return (
-                    "Thunder's autograd function refuses a write into an output that is a view, which Inductor"
-                    " returns as a new tensor; plain Thunder without its fusion executor refuses it too"
-                )
-            return ""
-    return ""
-
-
 def _closer_to_eager(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
     """Why values that differ within a tolerance are plain Thunder's rounding, where eager agrees with neither to the
     last bit; empty for no verdict. The verdict needs the three to run alike up to the failing step, and cudagraphex's
@@ -481,7 +453,6 @@ def _thunders_backward_has_no_gradient(failure: Failure, backend: BackendSpec) -
     return False
 
 
-_THUNDER_FUNCTION_VIEW = "Output N of ThunderOutputFunctionBackward is a view"
 _SAVED_TENSOR_WRITTEN = "one of the variables needed for gradient computation has been modified by an inplace"
 
 

@@ -1,0 +1,76 @@
+"""Triage verdicts for differences that Thunder's torch.compile fusion executor makes (``--fuser``), not cudagraphex:
+where plain Thunder with it departs from plain Thunder without it, and where it changes which outputs are views."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cudagraphex import CUDAGraphExecutor
+from tests.fuzzing.compare import Failure, normalise, run_alike
+from tests.fuzzing.world import BackendSpec, World, compile_source, lockstep
+
+THUNDER_FUNCTION_VIEW = "Output N of ThunderOutputFunctionBackward is a view"
+
+
+def fuser_departs(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
+    """Why a value differs from plain Thunder's under ``--fuser`` where the fusion executor is the cause; empty for
+    no verdict.
+
+    Thunder 0.2.6's rematerialization ignores in-place writes: with a fusion executor its backward may recompute a
+    tensor from memory written since, or run a recomputed write again. cudagraphex keeps such region outputs from
+    being recomputed (``cudagraphex.planning.rematerialization``). Eager gives no verdict where Thunder marks outputs
+    as requiring grad that eager does not (the cotangents then differ). The verdict needs a value difference, not an
+    error; plain Thunder with and without the fusion executor to differ up to the failing step; and cudagraphex, with
+    it, to run alike with plain Thunder without it up to and through that step.
+    """
+    program = failure.program
+    if not program.fuser or failure.label == "exception" or failure.symptom.startswith("raises"):
+        return ""
+    steps = program.steps[: failure.step + 1]
+    unfused = dataclasses.replace(program, fuser=False)
+    seeded = not program.threads
+    try:
+        fused = World(program, backend, None, compile_source(program, "reference"))
+        plain = World(unfused, backend, None, compile_source(unfused, "reference, no fusion executor"))
+        if run_alike(program, backend, (fused, plain), steps, seeded=seeded):
+            return ""
+        cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
+        plain = World(unfused, backend, None, compile_source(unfused, "reference, no fusion executor"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return ""
+    if not run_alike(program, backend, (plain, cgx), steps, seeded=seeded):
+        return ""
+    return (
+        "plain Thunder with its torch.compile fusion executor departs from plain Thunder without it, and cudagraphex,"
+        " with it, computes what Thunder computes without it"
+    )
+
+
+def a_view_as_without_a_fusion_executor(failure: Failure, backend: BackendSpec) -> str:
+    """Why only cudagraphex refuses an in-place write into an output of Thunder's autograd function that is a view,
+    where Thunder's fusion executor runs in both; empty for no verdict. Inductor returns a new tensor where a view is
+    asked for; cudagraphex returns the view, as Thunder's other executors do, and autograd refuses writes into views
+    that a custom function returns. The verdict needs plain Thunder without the fusion executor to refuse the write at
+    the same step for the same reason."""
+    program = failure.program
+    if not (
+        program.fuser
+        and failure.symptom.startswith("raises only with cudagraphex")
+        and THUNDER_FUNCTION_VIEW in failure.symptom
+    ):
+        return ""
+    unfused = dataclasses.replace(program, fuser=False)
+    try:
+        ref = World(unfused, backend, None, compile_source(unfused, "reference without a fusion executor"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return ""
+    steps = unfused.steps[: failure.step + 1]
+    for index, (r,) in lockstep(unfused, (ref,), steps, seeded=not program.threads):
+        if r.raised is not None:
+            if index == failure.step and THUNDER_FUNCTION_VIEW in normalise(str(r.raised)):
+                return (
+                    "Thunder's autograd function refuses a write into an output that is a view, which Inductor"
+                    " returns as a new tensor; plain Thunder without its fusion executor refuses it too"
+                )
+            return ""
+    return ""
