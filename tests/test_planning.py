@@ -251,6 +251,26 @@ def test_a_region_copies_only_what_an_in_place_op_reads_as_itself_for_the_backwa
     assert (with_copies == planned()) is (snapshots == 0)
 
 
+def test_a_copy_before_a_write_is_taken_though_can_fuse_keeps_clone_out():
+    # The copy is cudagraphex's, not the program's: without it the gradient would be plain Thunder's (read after the
+    # write), so an override that keeps the program's clones out of graphs does not change what is computed.
+    class NoClone(CUDAGraphExecutor):
+        def can_fuse(self, bsym):
+            return bsym.sym.name != "clone" and super().can_fuse(bsym)
+
+    ex = NoClone("cudagraphex_noclone", backend="emulate", min_region_size=1)
+    jf = jit(square_written_by_its_own_mul, ex)
+    for _ in range(3):
+        x = torch.randn(2, 6, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        for fn, arg in ((jf, x), (square_written_by_its_own_mul, x_eager)):
+            cube, total = fn(arg)
+            (cube.sum() + total).backward()
+        torch.testing.assert_close(x.grad, x_eager.grad)
+    specs = [graphs(jf, ex).fusions[r.name].spec for r in regions(jf, ex)]
+    assert sum(b.sym.name == "clone" for s in specs for b in s.bound_symbols) == 1
+
+
 def test_refused_rematerialization_reads_what_an_earlier_graph_returns_though_no_plan_read_it():
     # The consumer planned to read c = exp(b), computed outside graphs; rematerialization hands it back computing c
     # from b, and b from the cut a. Refused, it drops cos (the producer returns b again) and keeps exp, which reads b.

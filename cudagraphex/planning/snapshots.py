@@ -21,7 +21,8 @@ A trace without such a read is left as it is.
 
 A ``P`` defined outside graphs keeps Thunder's behaviour: a clone there is read by the backward alone, so Thunder's
 split would move it into the backward, after the write; only a region, whose other outputs the forward needs, keeps it
-in the forward.
+in the forward. The clone is cudagraphex's, not the program's: a ``can_fuse`` override does not keep it out, since
+leaving it out would change the gradient.
 """
 
 from __future__ import annotations
