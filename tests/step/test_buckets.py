@@ -217,11 +217,12 @@ def test_the_check_bites(backend):
 
 def test_a_compilers_work_on_fake_tensors_during_the_check_does_not_refuse_padding(backend):
     """A step whose checked call compiles may query fake tensors: Thunder's SDPA checker on CUDA asks PyTorch which
-    attention kernel fits fake copies of its inputs, whose checks dispatch ``prim::device``. No row flows there."""
+    attention kernel fits fake copies of its inputs (on their device), whose checks dispatch ``prim::device``. No row
+    flows there."""
 
     def fn(x):
         with FakeTensorMode():
-            fake = torch.empty(1, 2, 4, 8)
+            fake = torch.empty(1, 2, 4, 8, device=x.device)
         torch.backends.cuda.can_use_flash_attention(SDPAParams(fake, fake, fake, None, 0.0, True, False))
         return x * 2
 
