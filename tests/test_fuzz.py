@@ -12,8 +12,9 @@ or input write plain Thunder misses where Thunder's torch.compile fusion executo
 that cudagraphex refuses for a written input that Thunder's rematerialization saves (both agree with it turned off),
 gradients of backwards that eager refuses where cudagraphex gives an in-place op's own gradient the value before the
 write (both agree without that copy), values within a tolerance where cudagraphex is as close to eager as plain
-Thunder, and writes into outputs that Thunder's autograd function returns as views, refused as without a fusion
-executor.
+Thunder, writes into outputs that Thunder's autograd function returns as views, refused as without a fusion
+executor, and values that Thunder's fusion executor changes where cudagraphex, with it, computes what Thunder
+computes without it.
 """
 
 from __future__ import annotations

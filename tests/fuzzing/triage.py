@@ -29,9 +29,9 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
     :func:`_write_not_read`, :func:`_leaf_written_through_a_view`, :func:`_cotangents_of_an_unwritten_output`,
     :func:`_saved_by_rematerialization`, :func:`_closer_to_eager`, :func:`original_self_copied`,
     :func:`a_view_as_without_a_fusion_executor`, :func:`fuser_departs`; for an output that plain Thunder connects to
-    autograd and cudagraphex does not, :func:`_a_fusion_executor_agrees` and :func:`_thunders_backward_has_no_gradient`; for a whole step's loss
-    or input write that plain Thunder misses, :data:`_MISSED_BY_A_MOVED_WRITE` where Thunder with its torch.compile
-    fusion executor agrees with cudagraphex."""
+    autograd and cudagraphex does not, :func:`_a_fusion_executor_agrees` and :func:`_thunders_backward_has_no_gradient`;
+    for a whole step's loss or input write that plain Thunder misses, :data:`_MISSED_BY_A_MOVED_WRITE` where Thunder
+    with its torch.compile fusion executor agrees with cudagraphex."""
     program = failure.program
     if failure.symptom.startswith("raises only without cudagraphex") and THUNDER_FUNCTION_VIEW in failure.symptom:
         failure.excused = (
