@@ -13,8 +13,9 @@ that cudagraphex refuses for a written input that Thunder's rematerialization sa
 gradients of backwards that eager refuses where cudagraphex gives an in-place op's own gradient the value before the
 write (both agree without that copy), values within a tolerance where cudagraphex is as close to eager as plain
 Thunder, writes into outputs that Thunder's autograd function returns as views, refused as without a fusion
-executor, and values that Thunder's fusion executor changes where cudagraphex, with it, computes what Thunder
-computes without it.
+executor, values that Thunder's fusion executor changes where cudagraphex, with it, computes what Thunder computes
+without it, and whole steps whose input write plain Thunder makes only in a backward that the step does not run,
+where it makes it as cudagraphex does once the step runs one.
 """
 
 from __future__ import annotations
@@ -632,6 +633,35 @@ def test_a_gradient_that_thunders_fusion_executor_changes_is_excused_where_cudag
     assert "departs from plain Thunder without it" in failure.excused
     plain = check(dataclasses.replace(program, fuser=False))
     assert plain.failures == []
+
+
+def test_a_whole_step_input_write_that_plain_thunder_makes_only_in_its_backward_is_judged_by_that_backward():
+    """``x0.detach().add_(x0)`` doubles the input; plain Thunder moves the write into its backward, so the second step,
+    which runs none, leaves ``x0`` as it was. Eager refuses the first step's backward (``x0`` is saved for ``w0``'s
+    gradient) and so skips its SGD step: no verdict. Thunder's torch.compile executor fails on the transposed input
+    (Inductor refuses that write into a view of an input). Plain Thunder given a backward at the second step doubles
+    ``x0`` as cudagraphex does: excused."""
+    lines = [
+        Line("v0 = x0 @ self.w0.t()", "v0", frozenset({"x0", "self.w0"}), False, "matmul"),
+        Line("v1 = x0.detach()", "v1", frozenset({"x0"}), False, "detach"),
+        Line("v1.add_(x0)", None, frozenset({"v1", "x0"}), True, "write_input"),
+    ]
+    program = _program(
+        module=True,
+        tensors=[
+            TensorSpec("x0", "BD", "x"),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+        ],
+        lines=lines,
+        outputs=["v0", "self.w0"],
+        steps=[Step("call", Mode(), loss="now"), Step("call", Mode(), layout="transposed")],
+        min_region_size=2,
+        whole_step=True,
+        optimizer="sgd",
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 1 and failure.symptom == "input NAME after the call: values"
+    assert "plain Thunder given a backward at that step writes the input as cudagraphex does" in failure.excused
 
 
 def test_a_program_with_a_fusion_executor_is_compared_within_a_tolerance():

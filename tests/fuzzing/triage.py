@@ -31,7 +31,7 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
     :func:`a_view_as_without_a_fusion_executor`, :func:`fuser_departs`; for an output that plain Thunder connects to
     autograd and cudagraphex does not, :func:`_a_fusion_executor_agrees` and :func:`_thunders_backward_has_no_gradient`;
     for a whole step's loss or input write that plain Thunder misses, :data:`_MISSED_BY_A_MOVED_WRITE` where Thunder
-    with its torch.compile fusion executor agrees with cudagraphex."""
+    with its torch.compile fusion executor agrees with cudagraphex, or :func:`_written_by_thunders_backward`."""
     program = failure.program
     if failure.symptom.startswith("raises only without cudagraphex") and THUNDER_FUNCTION_VIEW in failure.symptom:
         failure.excused = (
@@ -66,13 +66,11 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
             failure.excused = f"{no_gradient}; plain Thunder's backward trace for this call returns no gradient"
     # What a whole step misses where plain Thunder moved an in-place write of its forward into its backward.
     missed = _MISSED_BY_A_MOVED_WRITE.get("loss" if failure.label == "loss" else failure.symptom)
-    if (
-        not failure.excused
-        and program.whole_step
-        and missed
-        and _a_fusion_executor_agrees(failure, backend, ex, mode="close")
-    ):
-        failure.excused = missed
+    if not failure.excused and program.whole_step and missed:
+        if _a_fusion_executor_agrees(failure, backend, ex, mode="close"):
+            failure.excused = missed
+        elif _written_by_thunders_backward(failure, backend, ex):
+            failure.excused = _WRITTEN_BY_THUNDERS_BACKWARD
 
 
 _MISSED_BY_A_MOVED_WRITE = {
@@ -390,19 +388,45 @@ def _a_fusion_executor_agrees(
     """
     from thunder.executors.torch_compile import torch_compile_ex
 
+    steps = failure.program.steps[: failure.step + 1]
+    return _witness_agrees(failure, backend, ex, (torch_compile_ex, "torch.compile fusion"), steps, mode)
+
+
+def _witness_agrees(
+    failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor, witness: tuple[Any, str], steps: list, mode: str
+) -> bool:
+    """Whether Thunder with the executor of ``witness`` (executor, tag; None: plain Thunder), running ``steps``,
+    observes at the failing step what cudagraphex does running the program's steps; neither may raise before. Before
+    the failing step cudagraphex agreed with plain Thunder."""
     program = failure.program
     try:
-        fused = World(program, backend, torch_compile_ex, compile_source(program, "torch.compile fusion"))
+        other = World(program, backend, witness[0], compile_source(program, witness[1]))
         cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
     except Exception:  # noqa: BLE001 - no verdict
         return False
-    steps = program.steps[: failure.step + 1]
-    for index, (f, c) in lockstep(program, (fused, cgx), steps, seeded=not program.threads):
-        if f.raised is not None or c.raised is not None:
-            return False
-        if index == failure.step:
-            return _observed_alike(failure, f, c, mode)
-    return False
+    # One world at a time: lockstep seeds each step alike whatever runs beside it.
+    runs = [(other, steps), (cgx, program.steps[: failure.step + 1])]
+    seen = [[o for _, (o,) in lockstep(program, (w,), s, seeded=not program.threads)] for w, s in runs]
+    if any(o.raised is not None for o in (*seen[0], *seen[1])):
+        return False
+    return _observed_alike(failure, seen[0][-1], seen[1][-1], mode)
+
+
+_WRITTEN_BY_THUNDERS_BACKWARD = (
+    "plain Thunder moves an in-place write of the forward into its backward, so a whole step that runs none misses it;"
+    " eager gives no verdict, and plain Thunder given a backward at that step writes the input as cudagraphex does"
+)
+
+
+def _written_by_thunders_backward(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> bool:
+    """Whether plain Thunder, given a backward at the failing step, writes the input as cudagraphex does without one:
+    the witness of a moved write where Thunder's torch.compile fusion executor gives none (Inductor refuses some
+    writes into views of inputs)."""
+    step = failure.program.steps[failure.step]
+    if failure.symptom != "input NAME after the call: values" or step.loss != "none" or not step.mode.grad:
+        return False
+    steps = [*failure.program.steps[: failure.step], dataclasses.replace(step, loss="now")]
+    return _witness_agrees(failure, backend, ex, (None, "reference, with a backward"), steps, "close")
 
 
 def _observed_alike(failure: Failure, a: Observations, b: Observations, mode: str, values_only: bool = False) -> bool:
