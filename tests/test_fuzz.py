@@ -635,6 +635,32 @@ def test_a_gradient_that_thunders_fusion_executor_changes_is_excused_where_cudag
     assert plain.failures == []
 
 
+def test_a_gradient_that_thunders_fusion_executor_changes_is_excused_where_cudagraphex_gives_its_own_without_it():
+    """``var`` saves ``v0``, written later: eager refuses the backward. With its torch.compile executor plain Thunder
+    recomputes ``v0`` in the backward, from before the write; without it, Thunder runs the write in its backward and
+    refuses the backward that ``retain_graph`` left for later. cudagraphex gives the same gradient with and without the
+    fusion executor, and without it the fuzzer excuses its difference from plain Thunder: excused."""
+    lines = [
+        Line("v0 = torch.maximum(x0, x0)", "v0", frozenset({"x0"}), False, "binary"),
+        Line("v1 = v0.var(0)", "v1", frozenset({"v0"}), False, "reduce"),
+        Line("v2 = v1.cos()", "v2", frozenset({"v1"}), False, "unary"),
+        Line("v0[:, 0].mul_(2)", None, frozenset({"v0"}), True, "inplace_intermediate"),
+    ]
+    program = _program(
+        width=6,
+        tensors=[TensorSpec("x0", "BD", "x", requires_grad=True)],
+        lines=lines,
+        outputs=["v2", "x0[0]"],
+        steps=[Step("call", Mode(), loss="retain", form="direct")],
+        fuser=True,
+    )
+    (failure,) = check(program).failures
+    assert failure.label == "grad of c0 x0"
+    assert "computes what cudagraphex computes without it" in failure.excused
+    (plain,) = check(dataclasses.replace(program, fuser=False)).failures
+    assert plain.symptom.startswith("raises only without cudagraphex") and plain.excused
+
+
 def test_a_whole_step_input_write_that_plain_thunder_makes_only_in_its_backward_is_judged_by_that_backward():
     """``x0.detach().add_(x0)`` doubles the input; plain Thunder moves the write into its backward, so the second step,
     which runs none, leaves ``x0`` as it was. Eager refuses the first step's backward (``x0`` is saved for ``w0``'s
