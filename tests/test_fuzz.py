@@ -690,6 +690,36 @@ def test_a_whole_step_input_write_that_plain_thunder_makes_only_in_its_backward_
     assert "plain Thunder given a backward at that step writes the input as cudagraphex does" in failure.excused
 
 
+def test_a_dtype_that_thunders_cache_gives_by_the_order_of_calls_is_excused_where_thunder_in_that_order_agrees():
+    """A bucketed step pads the first call into its graph, so Thunder's function first sees a call of that size under
+    autocast. The last call runs as is (its ``direct`` flag misses the graph's guards), without autocast: Thunder
+    0.2.6 hands it the entry compiled under autocast, and it returns bfloat16. Plain Thunder's run saw such a call
+    without autocast first. Plain Thunder given the calls in the step's order returns bfloat16 too: excused."""
+    lines = [
+        Line("v0 = F.linear(x0, w0, p0)", "v0", frozenset({"x0", "w0", "p0"}), False, "linear"),
+        Line("v1 = F.linear(v0, w0, p0)", "v1", frozenset({"v0", "w0", "p0"}), False, "linear"),
+    ]
+    program = _program(
+        width=6,
+        batches=(2, 4),
+        tensors=[
+            TensorSpec("x0", "BD", "x", requires_grad=True),
+            TensorSpec("w0", "DD", "param", init="torch.randn(d, d) / d**0.5"),
+            TensorSpec("p0", "D", "param", requires_grad=True, init="torch.randn(d) * 0.5"),
+        ],
+        lines=lines,
+        outputs=["v1", "v0"],
+        steps=[
+            Step("call", Mode(), fresh=False),
+            Step("call", Mode(autocast=True)),
+            Step("call", Mode(), form="direct"),
+        ],
+    ).as_bucketed_steps()
+    (failure,) = check(program).failures
+    assert failure.step == 2 and failure.symptom == "outN: dtype"
+    assert "given the calls that the bucketed step passed to its function in that order" in failure.excused
+
+
 def test_a_program_with_a_fusion_executor_is_compared_within_a_tolerance():
     """Inductor rounds by the fusions it is handed, which graph regions change; without a fusion executor the CPU
     replay backend is compared to the last bit."""

@@ -13,6 +13,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
 from cudagraphex import CUDAGraphExecutor
+from tests.fuzzing.call_order import thunder_called_in_the_steps_order
 from tests.fuzzing.compare import Failure, abs_difference, compare_step, compare_value, normalise, run_alike, value_mode
 from tests.fuzzing.fusion_executor import THUNDER_FUNCTION_VIEW, a_view_as_without_a_fusion_executor, fuser_departs
 from tests.fuzzing.original_self import original_self_copied
@@ -28,8 +29,9 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
     the failing step (:func:`_eager_verdict`); then by the verdicts below, each of which says what it needs:
     :func:`_write_not_read`, :func:`_leaf_written_through_a_view`, :func:`_cotangents_of_an_unwritten_output`,
     :func:`_saved_by_rematerialization`, :func:`_closer_to_eager`, :func:`original_self_copied`,
-    :func:`a_view_as_without_a_fusion_executor`, :func:`fuser_departs`; for an output that plain Thunder connects to
-    autograd and cudagraphex does not, :func:`_a_fusion_executor_agrees` and :func:`_thunders_backward_has_no_gradient`;
+    :func:`a_view_as_without_a_fusion_executor`, :func:`fuser_departs`, :func:`thunder_called_in_the_steps_order`; for
+    an output that plain Thunder connects to autograd and cudagraphex does not, :func:`_a_fusion_executor_agrees` and
+    :func:`_thunders_backward_has_no_gradient`;
     for a whole step's loss or input write that plain Thunder misses, :data:`_MISSED_BY_A_MOVED_WRITE` where Thunder
     with its torch.compile fusion executor agrees with cudagraphex, or :func:`_written_by_thunders_backward`."""
     program = failure.program
@@ -51,6 +53,7 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
         or original_self_copied(failure, backend, ex)
         or a_view_as_without_a_fusion_executor(failure, backend)
         or fuser_departs(failure, backend, ex)
+        or thunder_called_in_the_steps_order(failure, backend, ex)
     )
     if not failure.excused and _connected_only_by_thunder(failure):
         no_gradient = (
