@@ -23,8 +23,8 @@ the program's larger batch, so that calls of its smaller batch replay that graph
 independent; values are then compared within a tolerance.
 
 With ``fuser`` (``--fuser``) both compiled functions also run Thunder's torch.compile executor, after cudagraphex
-where it comes first, as README recommends without nvFuser; values are then compared within a tolerance, as Inductor
-rounds by the fusions it is handed.
+where it comes first, as README recommends without nvFuser, in one thread (``Program.with_fuser``); values are then
+compared within a tolerance, as Inductor rounds by the fusions it is handed.
 
 ``python -m tests.fuzzing --backend emulate --count 2000 --start 0`` runs a batch and prints each failure (seed,
 program, call pattern, error) and a summary; ``--show SEED`` prints one program; ``--shrink`` reduces each failing

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 
@@ -43,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.backend == "cuda" and not torch.cuda.is_available():
         parser.error("--backend cuda needs a CUDA GPU")
     if args.show is not None:
-        program = dataclasses.replace(generate(args.show), fuser=args.fuser)
+        program = generate(args.show).with_fuser() if args.fuser else generate(args.show)
         if args.steps == "whole":
             program = program.as_whole_steps()
         elif args.steps == "bucketed":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import multiprocessing
 import time
@@ -67,7 +66,7 @@ class BatchResult:
 
 def _check_seed(args: tuple[int, str, str, bool]) -> tuple[Program, Outcome]:
     seed, backend, steps, fuser = args
-    program = dataclasses.replace(generate(seed), fuser=fuser)
+    program = generate(seed).with_fuser() if fuser else generate(seed)
     if steps == "whole":
         program = program.as_whole_steps()
     elif steps == "bucketed":

@@ -208,6 +208,13 @@ class Program:
             self, tensors=tensors, steps=steps, threads=False, whole_step=True, optimizer=optimizer
         )
 
+    def with_fuser(self) -> Program:
+        """The program with Thunder's torch.compile executor in both compiled functions (``fuser``), in one thread:
+        torch.fx marks that it is tracing in a process-global flag, so while one thread's Inductor compiles, another
+        thread's call of a function compiled by torch.compile raises ("using FX to symbolically trace a
+        dynamo-optimized function")."""
+        return dataclasses.replace(self, fuser=True, threads=False)
+
     def as_bucketed_steps(self) -> Program | None:
         """The program as a serving step with batch-size buckets: whole steps without backward or optimizer, a module
         in eval mode, returning copies of its outputs, through ``graph_step(capture_sizes=[its larger batch])``, so
