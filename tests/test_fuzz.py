@@ -661,6 +661,30 @@ def test_a_gradient_that_thunders_fusion_executor_changes_is_excused_where_cudag
     assert plain.symptom.startswith("raises only without cudagraphex") and plain.excused
 
 
+def test_an_error_that_only_thunders_fusion_executor_raises_is_excused_where_cudagraphex_gives_thunders_without_it():
+    """Inductor fails on the code Thunder's torch.compile executor hands it for two writes into intermediates (it
+    reads a name nothing defines). Eager refuses the backward (``sqrt`` saved its result, which the write changed), so
+    it gives no verdict. cudagraphex, with the fusion executor, computes what plain Thunder computes without it:
+    excused."""
+    lines = [
+        Line("v0 = x0.abs().sqrt()", "v0", frozenset({"x0"}), False, "unary"),
+        Line("v0[:, 0].mul_(2)", None, frozenset({"v0"}), True, "inplace_intermediate"),
+        Line("v1 = torch.exp(v0.tanh())", "v1", frozenset({"v0"}), False, "unary"),
+        Line("v1.relu_()", None, frozenset({"v1"}), True, "inplace_intermediate"),
+    ]
+    program = _program(
+        module=True,
+        tensors=[TensorSpec("x0", "BD", "x", requires_grad=True)],
+        lines=lines,
+        outputs=["v1", "x0.t()"],
+        steps=[Step("call", Mode(), loss="now", form="direct")],
+        fuser=True,
+    )
+    (failure,) = check(program).failures
+    assert failure.symptom.startswith("raises only without cudagraphex")
+    assert "computes what Thunder computes without it" in failure.excused
+
+
 def test_a_whole_step_input_write_that_plain_thunder_makes_only_in_its_backward_is_judged_by_that_backward():
     """``x0.detach().add_(x0)`` doubles the input; plain Thunder moves the write into its backward, so the second step,
     which runs none, leaves ``x0`` as it was. Eager refuses the first step's backward (``x0`` is saved for ``w0``'s

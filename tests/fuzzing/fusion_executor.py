@@ -13,7 +13,7 @@ THUNDER_FUNCTION_VIEW = "Output N of ThunderOutputFunctionBackward is a view"
 
 
 def fuser_departs(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
-    """Why a value differs from plain Thunder's under ``--fuser`` where the fusion executor is the cause; empty for
+    """Why cudagraphex differs from plain Thunder under ``--fuser`` where the fusion executor is the cause; empty for
     no verdict.
 
     Thunder 0.2.6's rematerialization ignores in-place writes: with a fusion executor its backward may recompute a
@@ -22,13 +22,15 @@ def fuser_departs(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor)
     as requiring grad that eager does not (the cotangents then differ), or where it refuses a backward that read a
     tensor saved for it and written in place.
 
-    The verdict needs a value difference, not an error, and plain Thunder with and without the fusion executor to
-    differ up to the failing step. Then cudagraphex, with the fusion executor, must run up to and through that step
-    either alike with plain Thunder without it, or alike with cudagraphex without it, where the fuzzer, run on the
-    program without the fusion executor up to that step, finds no difference it does not excuse.
+    The verdict needs a value difference, or an error that only plain Thunder raises (its fusion executor may fail to
+    compile what it is handed), and plain Thunder with and without the fusion executor to differ up to the failing
+    step. Then cudagraphex, with the fusion executor, must run up to and through that step either alike with plain
+    Thunder without it, or alike with cudagraphex without it, where the fuzzer, run on the program without the fusion
+    executor up to that step, finds no difference it does not excuse.
     """
     program = failure.program
-    if not program.fuser or failure.label == "exception" or failure.symptom.startswith("raises"):
+    only_plain_raises = failure.symptom.startswith("raises only without cudagraphex")
+    if not program.fuser or (failure.label == "exception" and not only_plain_raises):
         return ""
     steps = program.steps[: failure.step + 1]
     unfused = dataclasses.replace(program, fuser=False)
