@@ -25,6 +25,7 @@ class BatchResult:
     programs: int = 0
     calls: int = 0
     compilations: int = 0
+    padded_calls: int = 0
     seconds: float = 0.0
     failures: list[Failure] = field(default_factory=list)  # excused ones included
     raised_in_both: dict[str, list[int]] = field(default_factory=dict)
@@ -38,6 +39,7 @@ class BatchResult:
         self.programs += 1
         self.calls += outcome.calls
         self.compilations += outcome.compilations
+        self.padded_calls += outcome.padded_calls
         self.failures += outcome.failures
         for what in outcome.raised_in_both:
             self.raised_in_both.setdefault(what, []).append(program.seed)
@@ -46,6 +48,7 @@ class BatchResult:
     def summary(self) -> str:
         excused = len(self.failures) - len(self.counted)
         head = f"{self.programs} programs, {self.calls} calls, {self.compilations} compilations"
+        head += f", {self.padded_calls} padded" if self.padded_calls else ""
         head += f", {len(self.counted)} failing"
         lines = [f"{head} (+{excused} where plain Thunder is the one that differs), {self.seconds:.1f} s"]
         for title, failures in (("failures", self.counted), ("plain Thunder differs", self.failures)):

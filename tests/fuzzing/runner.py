@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import thunder
 import torch
 
-from cudagraphex import CUDAGraphExecutor
+from cudagraphex import CUDAGraphExecutor, explain
 from tests.fuzzing.compare import Failure, compare_step, normalise
 from tests.fuzzing.programs import Program
 from tests.fuzzing.triage import triage as triage_failure
@@ -22,6 +22,7 @@ class Outcome:
     raised_in_both: list[str] = field(default_factory=list)  # "ExceptionType: message" of runs both rejected
     calls: int = 0
     compilations: int = 0  # Thunder cache misses of both compiled functions
+    padded_calls: int = 0  # bucketed programs: calls that replayed a larger batch's graph padded
 
 
 def _run_pair(program: Program, backend: BackendSpec, ex: CUDAGraphExecutor, seeded: bool) -> Outcome:
@@ -42,6 +43,8 @@ def _run_pair(program: Program, backend: BackendSpec, ex: CUDAGraphExecutor, see
             outcome.raised_in_both.append(f"{type(a.raised).__name__}: {normalise(str(a.raised))}")
             break
     outcome.compilations = thunder.cache_misses(ref.fn) + thunder.cache_misses(cgx.fn)
+    if program.bucketed:
+        outcome.padded_calls = explain(cgx.step).padded_calls
     return outcome
 
 
@@ -86,4 +89,5 @@ def _run_threads(program: Program, spec: BackendSpec, ex: CUDAGraphExecutor) -> 
         merged.raised_in_both += o.raised_in_both
         merged.calls += o.calls
         merged.compilations += o.compilations
+        merged.padded_calls += o.padded_calls
     return merged
