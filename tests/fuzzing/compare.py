@@ -87,11 +87,18 @@ def compare_value(a: Any, b: Any, mode: str, values_only: bool = False) -> str |
         if not x.is_floating_point():
             if torch.equal(x, y):
                 return None
-        elif torch.allclose(x, y, rtol=1e-4, atol=1e-5, equal_nan=True):
+        elif torch.allclose(x, y, **_close_tolerance(x.dtype), equal_nan=True):
             return None
     else:
         return _compare_stats(x, y)
     return f"values differ: {_diff(x, y)}"
+
+
+def _close_tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """``rtol`` and ``atol`` of the "close" mode: two units in the last place of bfloat16 and float16 (autocast's
+    dtypes, where a rounding that a fusion boundary moves is that large), tighter bounds for wider dtypes."""
+    two_ulps = 2 * torch.finfo(dtype).eps
+    return {"rtol": max(1e-4, two_ulps), "atol": max(1e-5, two_ulps)}
 
 
 def _compare_stats(x: torch.Tensor, y: torch.Tensor) -> str | None:
