@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["Maybe", "RowCheck", "Rows"]
+__all__ = ["Maybe", "RowCheck", "Rows", "on_shapes_only"]
 
 
 @functools.cache
@@ -57,9 +57,9 @@ def _composite(func: torch._ops.OpOverload) -> bool:
         return False
 
 
-def _without_data(args: Any, kwargs: Any) -> bool:
-    """Whether the op gets tensors and all are meta or fake: a compiler's work on shapes (Thunder's SDPA checker
-    queries fake tensors while the first call compiles), through which no row flows."""
+def on_shapes_only(args: Any, kwargs: Any) -> bool:
+    """Whether an op gets tensors and all are meta or fake: a compiler's work on shapes (Thunder's SDPA checker
+    queries fake tensors while a first call compiles), which runs no kernel and through which no row flows."""
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     return bool(tensors) and all(t.is_meta or isinstance(t, FakeTensor) for t in tensors)
 
@@ -179,7 +179,7 @@ class RowCheck(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.problem is not None or _without_data(args, kwargs):
+        if self.problem is not None or on_shapes_only(args, kwargs):
             return func(*args, **kwargs)
         if _composite(func):
             # Under inference mode composite ops (linear, layer_norm) reach the mode whole: checked as the ops they

@@ -26,6 +26,8 @@ from thunder.core.interpreter import make_opaque
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cudagraphex.step.rows import on_shapes_only
+
 __all__ = [
     "HostWork",
     "Slots",
@@ -189,7 +191,8 @@ def same_hyperparameters(now: list, captured: list) -> bool:
 
 
 class HostWork(TorchDispatchMode):
-    """Finds ops a graph cannot replay: ``.item()``, and ops on CPU tensors when the graph is on a GPU."""
+    """Finds ops a graph cannot replay: ``.item()``, and ops on CPU tensors when the graph is on a GPU (not those on
+    fake or meta tensors alone, which run no kernel)."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -207,7 +210,7 @@ class HostWork(TorchDispatchMode):
         if self.found is None:
             if func is torch.ops.aten._local_scalar_dense.default:
                 self.found = "reads a device value on the host (.item() or a Python conversion of a tensor)"
-            elif self.device_type != "cpu" and "attention" not in func.__name__:
+            elif self.device_type != "cpu" and "attention" not in func.__name__ and not on_shapes_only(args, kwargs):
                 # Attention ops are exempt: their CPU tensors are dropout RNG state, in device memory when captured.
                 for t in pytree.tree_leaves((args, kwargs)):
                     if is_tensor(t) and t.device.type == "cpu":

@@ -217,13 +217,15 @@ def test_the_check_bites(backend):
 
 def test_a_compilers_work_on_fake_tensors_during_the_check_does_not_refuse_padding(backend):
     """A step whose checked call compiles may query fake tensors: Thunder's SDPA checker on CUDA asks PyTorch which
-    attention kernel fits fake copies of its inputs (on their device), whose checks dispatch ``prim::device``. No row
-    flows there."""
+    attention kernel fits fake copies of its inputs, whose checks dispatch ``prim::device``. No row flows there, and
+    no kernel runs: neither the row check nor, on CUDA, the scan for host work counts it, whether the fakes sit on
+    the step's device or on the CPU."""
 
     def fn(x):
-        with FakeTensorMode():
-            fake = torch.empty(1, 2, 4, 8, device=x.device)
-        torch.backends.cuda.can_use_flash_attention(SDPAParams(fake, fake, fake, None, 0.0, True, False))
+        for device in (x.device, "cpu"):
+            with FakeTensorMode():
+                fake = torch.empty(1, 2, 4, 8, device=device)
+            torch.backends.cuda.can_use_flash_attention(SDPAParams(fake, fake, fake, None, 0.0, True, False))
         return x * 2
 
     step = graph_step(fn, capture_sizes=[4], backend=backend.name)
