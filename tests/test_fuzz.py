@@ -694,6 +694,29 @@ def test_an_error_that_only_thunders_fusion_executor_raises_is_excused_where_cud
     assert "computes what Thunder computes without it" in failure.excused
 
 
+def test_an_error_that_thunders_fusion_executor_raises_in_both_is_excused_where_both_agree_without_it():
+    """With its torch.compile executor, plain Thunder fails in Dynamo and cudagraphex in Inductor's C++ code
+    generation, for the regions' other code: both raise, with other errors. Without it, plain Thunder differs from
+    eager and cudagraphex agrees with eager, which the fuzzer excuses: excused."""
+    lines = [
+        Line("v0 = F.dropout(x0, p=0.5, training=True)", "v0", frozenset({"x0"}), True, "dropout"),
+        Line("v1 = torch.maximum(x0, v0)", "v1", frozenset({"x0", "v0"}), False, "binary"),
+        Line("v1[:, 0].mul_(2)", None, frozenset({"v1"}), True, "inplace_intermediate"),
+    ]
+    program = _program(
+        batches=(4,),
+        tensors=[TensorSpec("x0", "BD", "x", requires_grad=True)],
+        lines=lines,
+        outputs=["v1", "v0"],
+        steps=[Step("call", Mode(), loss="now")],
+        fuser=True,
+    )
+    (failure,) = check(program).failures
+    assert failure.symptom.startswith("reference raises Unsupported, cudagraphex InductorError")
+    assert "fails in plain Thunder and in cudagraphex" in failure.excused
+    assert "cudagraphex agrees with eager" in failure.excused
+
+
 def test_a_whole_step_input_write_that_plain_thunder_makes_only_in_its_backward_is_judged_by_that_backward():
     """``x0.detach().add_(x0)`` doubles the input; plain Thunder moves the write into its backward, so the second step,
     which runs none, leaves ``x0`` as it was. Eager refuses the first step's backward (``x0`` is saved for ``w0``'s

@@ -7,9 +7,14 @@ import dataclasses
 
 from cudagraphex import CUDAGraphExecutor
 from tests.fuzzing.compare import Failure, compare_step, normalise
+from tests.fuzzing.programs import Program
 from tests.fuzzing.world import BackendSpec, World, compile_source, lockstep
 
 THUNDER_FUNCTION_VIEW = "Output N of ThunderOutputFunctionBackward is a view"
+
+
+def _raised_by_torch_compile(error: BaseException | None) -> bool:
+    return error is not None and type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))
 
 
 def fuser_departs(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
@@ -27,10 +32,16 @@ def fuser_departs(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor)
     step. Then cudagraphex, with the fusion executor, must run up to and through that step either alike with plain
     Thunder without it, or alike with cudagraphex without it, where the fuzzer, run on the program without the fusion
     executor up to that step, finds no difference it does not excuse.
+
+    Where both raise at the failing step with other errors, the verdict needs both errors to come from torch.compile
+    (Dynamo or Inductor: graph regions hand it other code, so it may fail elsewhere), and cudagraphex without the
+    fusion executor to run through that step, where the fuzzer, run on the program without it, finds no difference it
+    does not excuse.
     """
     program = failure.program
     only_plain_raises = failure.symptom.startswith("raises only without cudagraphex")
-    if not program.fuser or (failure.label == "exception" and not only_plain_raises):
+    both_raise = failure.symptom.startswith("reference raises")
+    if not program.fuser or (failure.label == "exception" and not (only_plain_raises or both_raise)):
         return ""
     steps = program.steps[: failure.step + 1]
     unfused = dataclasses.replace(program, fuser=False)
@@ -41,13 +52,25 @@ def fuser_departs(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor)
         cgx_unfused = World(unfused, backend, ex, compile_source(unfused, "cudagraphex, no fusion executor"))
     except Exception:  # noqa: BLE001 - no verdict
         return ""
-    departs, like_plain, like_unfused = False, True, True
+    departs, like_plain, like_unfused, unfused_runs = False, True, True, True
+    both_fail_in_torch_compile = False
     for index, (f, p, c, u) in lockstep(program, (fused, plain, cgx, cgx_unfused), steps, seeded=not program.threads):
         departs = departs or f.raised is not None or compare_step(program, backend, index, f, p) is not None
         like_plain = (
             like_plain and p.raised is None and c.raised is None and not compare_step(program, backend, index, p, c)
         )
         like_unfused = like_unfused and c.raised is None and not compare_step(program, backend, index, u, c)
+        unfused_runs = unfused_runs and u.raised is None
+        both_fail_in_torch_compile = _raised_by_torch_compile(f.raised) and _raised_by_torch_compile(c.raised)
+    if both_raise:
+        excuses = both_fail_in_torch_compile and unfused_runs and _excuses_without(unfused, steps, backend)
+        if excuses:
+            return (
+                "Thunder's torch.compile fusion executor fails in plain Thunder and in cudagraphex, which hands it other"
+                " code; without it, cudagraphex runs that step, and the fuzzer finds no difference from plain Thunder"
+                f" that it does not excuse ({excuses})"
+            )
+        return ""
     if not departs:
         return ""
     if like_plain:
@@ -55,18 +78,25 @@ def fuser_departs(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor)
             "plain Thunder with its torch.compile fusion executor departs from plain Thunder without it, and"
             " cudagraphex, with it, computes what Thunder computes without it"
         )
-    if like_unfused:
-        from tests.fuzzing.runner import check  # runner triages through this module
-
-        without = check(dataclasses.replace(unfused, steps=steps), backend.name)
-        if all(w.excused for w in without.failures):
-            excuses = "; ".join(sorted({w.excused for w in without.failures})) or "none"
-            return (
-                "plain Thunder with its torch.compile fusion executor departs from plain Thunder without it, and"
-                " cudagraphex, with it, computes what cudagraphex computes without it, where the fuzzer finds no"
-                f" difference from plain Thunder that it does not excuse ({excuses})"
-            )
+    excuses = like_unfused and _excuses_without(unfused, steps, backend)
+    if excuses:
+        return (
+            "plain Thunder with its torch.compile fusion executor departs from plain Thunder without it, and"
+            " cudagraphex, with it, computes what cudagraphex computes without it, where the fuzzer finds no"
+            f" difference from plain Thunder that it does not excuse ({excuses})"
+        )
     return ""
+
+
+def _excuses_without(unfused: Program, steps: list, backend: BackendSpec) -> str:
+    """The excuses the fuzzer gives, run on ``unfused`` up to and through ``steps`` ("none" where it finds no
+    difference); empty where it finds one that it does not excuse."""
+    from tests.fuzzing.runner import check  # runner triages through this module
+
+    failures = check(dataclasses.replace(unfused, steps=steps), backend.name).failures
+    if not all(w.excused for w in failures):
+        return ""
+    return "; ".join(sorted({w.excused for w in failures})) or "none"
 
 
 def a_view_as_without_a_fusion_executor(failure: Failure, backend: BackendSpec) -> str:
