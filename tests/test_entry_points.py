@@ -510,3 +510,16 @@ def test_the_version_is_the_packages():
     import cudagraphex
 
     assert cudagraphex.__version__ == metadata.version("cudagraphex")
+
+
+def test_the_readmes_cpu_example_runs_as_written(capsys):
+    """The README's CPU snippet is copied and pasted alone, so it must run by itself and replay a graph."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    after = readme.split("Without a GPU, the CPU replay backend", 1)[1]
+    snippet = after.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(snippet, "README.md", "exec"), {})  # noqa: S102 - the README's own code
+    report = capsys.readouterr().out
+    assert re.search(r"1 graph\(s\), [1-9]\d* replay\(s\)", report), report
