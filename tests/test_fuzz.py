@@ -75,6 +75,7 @@ def test_fuzz_whole_step_cpu_replay_backend():
     (``Program.as_whole_steps``), compared exactly with the same steps run by plain Thunder. About 20 s on two cores."""
     result = run_batch(range(WHOLE_STEP_PROGRAMS), "emulate", workers=min(2, os.cpu_count() or 1), steps="whole")
     assert result.programs == WHOLE_STEP_PROGRAMS
+    assert result.step_replays > 0, result.summary()
     if result.counted:
         pytest.fail(_report(result), pytrace=False)
 
@@ -98,7 +99,7 @@ def test_fuzz_bucketed_cpu_replay_backend(no_compiled_code_yet):
     with an input that does not carry the batch along dim 0 are skipped. About 25 s on two cores."""
     result = run_batch(range(BUCKETED_PROGRAMS), "emulate", workers=min(2, os.cpu_count() or 1), steps="bucketed")
     assert result.programs == BUCKETED_PROGRAMS
-    assert result.padded_calls > 0
+    assert result.padded_calls > 0, result.summary()
     if result.counted:
         pytest.fail(_report(result), pytrace=False)
 
@@ -118,6 +119,7 @@ def test_fuzz_whole_step_cuda():
     """50 programs as whole steps through ``graph_step`` on real CUDA graphs, compared as ``test_fuzz_cuda`` compares."""
     result = run_batch(range(10_000, 10_000 + WHOLE_STEP_PROGRAMS // 3), "cuda", steps="whole")
     assert result.programs == WHOLE_STEP_PROGRAMS // 3
+    assert result.step_replays > 0, result.summary()
     if result.counted:
         pytest.fail(_report(result), pytrace=False)
 
@@ -128,7 +130,7 @@ def test_fuzz_bucketed_cuda(no_compiled_code_yet):
     executor checks its kernels on fake tensors inside the row check's call."""
     result = run_batch(range(BUCKETED_PROGRAMS // 3), "cuda", steps="bucketed")
     assert result.programs == BUCKETED_PROGRAMS // 3
-    assert result.padded_calls > 0
+    assert result.padded_calls > 0, result.summary()
     if result.counted:
         pytest.fail(_report(result), pytrace=False)
 

@@ -20,7 +20,8 @@ With ``steps="whole"`` (``--steps whole``) each call of a program is one trainin
 whose results share memory with its arguments, state or each other runs as is, so that sharing is compared too.
 With ``steps="bucketed"`` each call is a serving step through ``graph_step`` with batch-size buckets, captured at
 the program's larger batch, so that calls of its smaller batch replay that graph padded where its rows are
-independent; values are then compared within a tolerance.
+independent; values are then compared within a tolerance. For both, the summary counts the calls step graphs served
+and padded, and gives ``explain``'s reasons where a step was not captured or its calls not padded.
 
 With ``fuser`` (``--fuser``) both compiled functions also run Thunder's torch.compile executor, after cudagraphex
 where it comes first, as README recommends without nvFuser, in one thread (``Program.with_fuser``); values are then

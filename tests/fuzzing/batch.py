@@ -26,6 +26,8 @@ class BatchResult:
     calls: int = 0
     compilations: int = 0
     padded_calls: int = 0
+    step_replays: int = 0
+    step_refusals: Counter = field(default_factory=Counter)  # reason -> programs
     seconds: float = 0.0
     failures: list[Failure] = field(default_factory=list)  # excused ones included
     raised_in_both: dict[str, list[int]] = field(default_factory=dict)
@@ -40,6 +42,8 @@ class BatchResult:
         self.calls += outcome.calls
         self.compilations += outcome.compilations
         self.padded_calls += outcome.padded_calls
+        self.step_replays += outcome.step_replays
+        self.step_refusals.update(set(outcome.step_refusals))
         self.failures += outcome.failures
         for what in outcome.raised_in_both:
             self.raised_in_both.setdefault(what, []).append(program.seed)
@@ -48,6 +52,7 @@ class BatchResult:
     def summary(self) -> str:
         excused = len(self.failures) - len(self.counted)
         head = f"{self.programs} programs, {self.calls} calls, {self.compilations} compilations"
+        head += f", {self.step_replays} step replays" if self.step_replays else ""
         head += f", {self.padded_calls} padded" if self.padded_calls else ""
         head += f", {len(self.counted)} failing"
         lines = [f"{head} (+{excused} where plain Thunder is the one that differs), {self.seconds:.1f} s"]
@@ -59,6 +64,9 @@ class BatchResult:
             for symptom, n in Counter(f.symptom for f in failures).most_common():
                 seeds = [f.seed for f in failures if f.symptom == symptom][:10]
                 lines.append(f"  {n:4d}  {symptom}  (seeds {' '.join(map(str, seeds))})")
+        if self.step_refusals:
+            lines.append("steps without a graph, or calls not padded, by reason (programs):")
+            lines += [f"  {n:4d}  {reason}" for reason, n in self.step_refusals.most_common(10)]
         if self.raised_in_both:
             lines.append("raised in both (programs that Thunder itself rejects, or legitimate errors):")
             for what, seeds in sorted(self.raised_in_both.items(), key=lambda kv: -len(kv[1]))[:10]:

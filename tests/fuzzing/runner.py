@@ -23,6 +23,9 @@ class Outcome:
     calls: int = 0
     compilations: int = 0  # Thunder cache misses of both compiled functions
     padded_calls: int = 0  # bucketed programs: calls that replayed a larger batch's graph padded
+    step_replays: int = 0  # whole-step programs: calls the step graph served
+    #: Whole-step programs: why the step was not captured, or calls were not padded (``explain``'s reasons).
+    step_refusals: list[str] = field(default_factory=list)
 
 
 def _run_pair(program: Program, backend: BackendSpec, ex: CUDAGraphExecutor, seeded: bool) -> Outcome:
@@ -43,8 +46,13 @@ def _run_pair(program: Program, backend: BackendSpec, ex: CUDAGraphExecutor, see
             outcome.raised_in_both.append(f"{type(a.raised).__name__}: {normalise(str(a.raised))}")
             break
     outcome.compilations = thunder.cache_misses(ref.fn) + thunder.cache_misses(cgx.fn)
-    if program.bucketed:
-        outcome.padded_calls = explain(cgx.step).padded_calls
+    if program.whole_step:
+        report = explain(cgx.step)
+        outcome.step_replays = report.replays
+        outcome.padded_calls = report.padded_calls
+        if report.not_captured:
+            outcome.step_refusals.append(f"not captured: {normalise(report.not_captured)}")
+        outcome.step_refusals += [f"not padded: {normalise(reason)}" for reason in report.not_padded.values()]
     return outcome
 
 
@@ -90,4 +98,6 @@ def _run_threads(program: Program, spec: BackendSpec, ex: CUDAGraphExecutor) -> 
         merged.calls += o.calls
         merged.compilations += o.compilations
         merged.padded_calls += o.padded_calls
+        merged.step_replays += o.step_replays
+        merged.step_refusals += o.step_refusals
     return merged
