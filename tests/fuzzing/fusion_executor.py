@@ -61,6 +61,7 @@ def fuser_departs(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor)
         )
         like_unfused = like_unfused and c.raised is None and not compare_step(program, backend, index, u, c)
         unfused_runs = unfused_runs and u.raised is None
+        # Read after the loop: the failing step's, which is the last.
         both_fail_in_torch_compile = _raised_by_torch_compile(f.raised) and _raised_by_torch_compile(c.raised)
     if both_raise:
         excuses = both_fail_in_torch_compile and unfused_runs and _excuses_without(unfused, steps, backend)
