@@ -45,13 +45,6 @@ def _program(**fields) -> Program:
     return Program(**(defaults | fields))
 
 
-@pytest.fixture
-def no_compiled_code_yet(monkeypatch):
-    """Padding is refused in a process that has run torch.compile (``tests/step/test_buckets.py``), as tests before
-    these may have; the bucketed programs here run no compiled code, so they are checked as in a fresh process."""
-    monkeypatch.setitem(torch._dynamo.utils.counters["stats"], "unique_graphs", 0)
-
-
 def _report(result, limit: int = 12) -> str:
     failures = result.counted
     shown = "\n\n".join(f.report() for f in failures[:limit])
@@ -92,7 +85,7 @@ def test_fuzz_whole_step_with_thunders_torch_compile_executor():
         pytest.fail(_report(result), pytrace=False)
 
 
-def test_fuzz_bucketed_cpu_replay_backend(no_compiled_code_yet):
+def test_fuzz_bucketed_cpu_replay_backend():
     """120 programs (seeds 0-119) as serving steps with batch-size buckets (``Program.as_bucketed_steps``): calls of
     the smaller batch replay the larger batch's graph padded where the row check allows it, compared within a
     tolerance with the same steps run by plain Thunder (padding changes the batch a matrix product sees). Programs
@@ -125,7 +118,7 @@ def test_fuzz_whole_step_cuda():
 
 
 @pytest.mark.cuda
-def test_fuzz_bucketed_cuda(no_compiled_code_yet):
+def test_fuzz_bucketed_cuda():
     """40 programs (seeds 0-39) as serving steps with batch-size buckets on real CUDA graphs, where Thunder's SDPA
     executor checks its kernels on fake tensors inside the row check's call."""
     result = run_batch(range(BUCKETED_PROGRAMS // 3), "cuda", steps="bucketed")
@@ -748,9 +741,7 @@ def test_a_whole_step_input_write_that_plain_thunder_makes_only_in_its_backward_
     assert "plain Thunder given a backward at that step writes the input as cudagraphex does" in failure.excused
 
 
-def test_a_dtype_that_thunders_cache_gives_by_the_order_of_calls_is_excused_where_thunder_in_that_order_agrees(
-    no_compiled_code_yet,
-):
+def test_a_dtype_that_thunders_cache_gives_by_the_order_of_calls_is_excused_where_thunder_in_that_order_agrees():
     """A bucketed step pads the first call into its graph, so Thunder's function first sees a call of that size under
     autocast. The last call runs as is (its ``direct`` flag misses the graph's guards), without autocast: Thunder
     0.2.6 hands it the entry compiled under autocast, and it returns bfloat16. Plain Thunder's run saw such a call

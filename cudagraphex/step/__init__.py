@@ -2,7 +2,7 @@
 
 Data flow: :func:`graph_step` wraps the step (``graph``: keys, guards, warm-up, capture, replay); ``state`` finds the
 tensors it reads and writes (its slots); ``io`` stages its arguments and hands out its results; ``capture`` records
-it; ``rows`` and ``buckets`` pad calls up to a capture size; ``report`` says what happened.
+it; ``rows`` (with ``compiled_code``) and ``buckets`` pad calls up to a capture size; ``report`` says what happened.
 """
 
 from cudagraphex.step.graph import StepGraph, graph_step

@@ -27,8 +27,8 @@ What refuses padding (the first such op is the reason)
     An op that mixes rows: a reduction, contraction, sort, scan, index or slice along the batch axis, a view that
     splits it, batch norm in training. A write in place to a tensor that existed before the call. A random op. A value
     of a row read on the host. An op the check does not know, applied to a tensor that carries rows or may; a tensor
-    whose origin the check did not see (compiled code; in a process that has run ``torch.compile``, any call: the
-    check cannot look into compiled code); an output that only may carry rows, or that carries them off dim 0.
+    whose origin the check did not see; ``torch.compile``'d code that the call runs (``cudagraphex.step.compiled_code``);
+    an output that only may carry rows, or that carries them off dim 0.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
+from typing_extensions import Self
+
+from cudagraphex.step.compiled_code import CompiledCodeWatch
 
 __all__ = ["Maybe", "RowCheck", "Rows", "on_shapes_only"]
 
@@ -152,16 +155,22 @@ class RowCheck(TorchDispatchMode):
         self.problem: str | None = None
         self._known: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._args = {id(a) for a in args if isinstance(a, torch.Tensor)}
-        if torch._dynamo.utils.counters["stats"]["unique_graphs"]:
-            self.problem = "the process has run torch.compile, whose compiled code the row check cannot look into"
+        self._compiled = CompiledCodeWatch()
         # Strong references: nothing that existed before the call is freed during it, so no new tensor reuses its
         # address and reads as old. (type(): no __class__ lookup, which some proxies answer with a warning.)
-        self._before = (
-            [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)] if self.problem is None else []
-        )
+        self._before = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
         self._before_ids = {id(t) for t in self._before}
         self._before_storages = {_storage(t) for t in self._before}
         self._arg_storages = {_storage(a) for a in args if isinstance(a, torch.Tensor)}
+
+    def __enter__(self) -> Self:
+        self.problem = self._compiled.__enter__().found
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._compiled.__exit__(*exc)
+        self.problem = self._compiled.found or self.problem  # compiled code: the cause of what it made unseen
 
     def layout_of(self, t: torch.Tensor) -> Rows | None:
         """How output ``t`` carries the rows: ``Rows(0, inner)``, or None (it carries none). Refuses otherwise."""
