@@ -49,18 +49,23 @@ class CompiledCodeWatch:
     def __enter__(self) -> Self:
         if CompiledCodeWatch._wrapper is None:
             CompiledCodeWatch._wrapper = _compile_wrapper_code()
-        if CompiledCodeWatch._wrapper is None or sys.getprofile() is not None or _inside_dynamo():
-            if torch._dynamo.utils.counters["stats"]["unique_graphs"]:
-                self.found = "the process has run torch.compile, and the call cannot be watched for compiled code"
-        else:
+        if CompiledCodeWatch._wrapper is not None and sys.getprofile() is None and not _inside_dynamo():
             sys.setprofile(self._profile)
             self._watching = True
+        else:
+            self._unwatched()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._watching:
             sys.setprofile(None)
             self._watching = False
+        elif self.found is None:
+            self._unwatched()  # the call may have compiled the first graph of the process
+
+    def _unwatched(self) -> None:
+        if torch._dynamo.utils.counters["stats"]["unique_graphs"]:
+            self.found = "the process has run torch.compile, and the call cannot be watched for compiled code"
 
     def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code is CompiledCodeWatch._wrapper:

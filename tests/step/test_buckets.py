@@ -278,6 +278,20 @@ def test_a_process_that_ran_torch_compile_is_not_padded_where_a_profiler_hides_c
     assert "the process has run torch.compile" in explain(step).not_padded[4]
 
 
+def test_a_step_that_compiles_the_first_graph_of_the_process_unwatched_is_not_padded(backend, monkeypatch):
+    """Unwatched, the checked call is judged by the compiled graphs of the process after it too."""
+    monkeypatch.setitem(torch._dynamo.utils.counters["stats"], "unique_graphs", 0)
+    doubled = torch.compile(lambda x: x * 2, backend="eager")  # compiled in the checked call, the first
+    step = graph_step(lambda x: doubled(x).tanh(), capture_sizes=[4], warmup_calls=1, backend=backend.name)
+    sys.setprofile(lambda frame, event, arg: None)
+    try:
+        step.prepare(_rows(backend, 4))
+    finally:
+        sys.setprofile(None)
+    step(_rows(backend, 3))
+    assert "the process has run torch.compile" in explain(step).not_padded[4]
+
+
 def test_a_call_whose_argument_requires_grad_is_not_padded(backend):
     """Its gradient would not reach it through the graph's buffer: the call runs as is."""
     weight = torch.randn(16, 16, device=backend.device)
