@@ -152,14 +152,19 @@ class Slots:
         """Grad mode, autocast, and every module's training flag: a different one needs another graph."""
         return (
             torch.is_grad_enabled(),
-            torch.is_autocast_enabled("cuda"),
-            torch.get_autocast_dtype("cuda"),
-            torch.is_autocast_enabled("cpu"),
+            _autocast("cuda"),
+            _autocast("cpu"),
             tuple(map(_training_of, self.submodules)),
         )
 
     def hyperparameters(self) -> list[list[tuple[str, Any]]]:
         return [[(k, v) for k, v in g.items() if k != "params"] for opt in self.optimizers for g in opt.param_groups]
+
+
+def _autocast(device_type: str) -> torch.dtype | None:
+    """The autocast dtype of ``device_type``, None where autocast is off: a disabled ``torch.autocast`` context still
+    sets the dtype, which then changes nothing."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def is_tensor(x: Any) -> bool:

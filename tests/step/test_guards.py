@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -139,6 +140,25 @@ def test_a_model_that_registers_modules_while_it_runs_replays(backend):
         model_step(torch.randn(4, 16, device=backend.device))
     assert explain(model_step).plain_calls == {"warm-up": 3}
     assert replays_of(model_step) == 4  # the capturing call and every call after it
+
+
+def test_the_autocast_dtype_of_each_device_keys_the_graphs_where_autocast_is_on():
+    """A matmul under CPU autocast in bfloat16, then in float16 (CPU replay backend): each call gets a result of its
+    own dtype. A disabled autocast context, which still sets the dtype, shares the graph of the calls without one."""
+    weight = torch.randn(8, 8)
+    step = graph_step(lambda x: x @ weight, backend="emulate")
+    x = torch.randn(4, 8)
+    for dtype in (torch.bfloat16, torch.float16):
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=dtype):
+                out = step(x)
+            assert out.dtype == dtype
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # off a GPU, torch.autocast("cuda") says that CUDA is not available
+        for disabled in (False, True, False, True):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=False) if disabled else contextlib.nullcontext():
+                torch.testing.assert_close(step(x), x @ weight)
+    assert explain(step).graphs == 3
 
 
 def test_a_new_batch_shape_warms_up_and_captures_again(backend):
