@@ -27,8 +27,8 @@ What refuses padding (the first such op is the reason)
     An op that mixes rows: a reduction, contraction, sort, scan, index or slice along the batch axis, a view that
     splits it, batch norm in training. A write in place to a tensor that existed before the call. A random op. A value
     of a row read on the host. An op the check does not know, applied to a tensor that carries rows or may; a tensor
-    whose origin the check did not see; ``torch.compile``'d code that the call runs (``cudagraphex.step.compiled_code``);
-    an output that only may carry rows, or that carries them off dim 0.
+    whose origin the check did not see; ``torch.compile``'d code the call runs (``cudagraphex.step.compiled_code``); an
+    output that only may carry rows, or that carries them off dim 0.
 """
 
 from __future__ import annotations
