@@ -156,6 +156,7 @@ class RowCheck(TorchDispatchMode):
         self._known: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._args = {id(a) for a in args if isinstance(a, torch.Tensor)}
         self._compiled = CompiledCodeWatch()
+        self._depth = 0
         # Strong references: nothing that existed before the call is freed during it, so no new tensor reuses its
         # address and reads as old. (type(): no __class__ lookup, which some proxies answer with a warning.)
         self._before = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
@@ -164,13 +165,17 @@ class RowCheck(TorchDispatchMode):
         self._arg_storages = {_storage(a) for a in args if isinstance(a, torch.Tensor)}
 
     def __enter__(self) -> Self:
-        self.problem = self._compiled.__enter__().found
+        if not self._depth:  # the check enters itself again to look into composite ops
+            self.problem = self._compiled.__enter__().found
+        self._depth += 1
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        self._compiled.__exit__(*exc)
-        self.problem = self._compiled.found or self.problem  # compiled code: the cause of what it made unseen
+        self._depth -= 1
+        if not self._depth:
+            self._compiled.__exit__(*exc)
+            self.problem = self._compiled.found or self.problem  # compiled code: the cause of what it made unseen
 
     def layout_of(self, t: torch.Tensor) -> Rows | None:
         """How output ``t`` carries the rows: ``Rows(0, inner)``, or None (it carries none). Refuses otherwise."""

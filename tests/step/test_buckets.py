@@ -77,6 +77,20 @@ def test_padded_calls_under_inference_mode_equal_unpadded_calls(backend):
     assert report.not_padded == {} and report.padded_calls == 5, str(report)
 
 
+def test_a_process_that_ran_torch_compile_pads_under_inference_mode(backend):
+    """The row check enters itself again for each composite op under inference mode; the call stays watched."""
+    torch.compile(lambda x: x + 1, backend="eager")(_rows(backend, 2))
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)).to(backend.device)
+    compiled = jit(model, backend.executor)
+    step = graph_step(lambda x: compiled(x).tanh(), capture_sizes=[4], backend=backend.name)
+    with torch.inference_mode():
+        step.prepare(_rows(backend, 4))
+        x = _rows(backend, 3)
+        torch.testing.assert_close(step(x), model(x).tanh())
+    report = explain(step)
+    assert report.not_padded == {} and report.padded_calls == 1, str(report)
+
+
 def test_without_prepare_a_size_is_captured_from_calls_of_that_size(backend):
     model, serve = _serving(backend)
     step = graph_step(serve, capture_sizes=[4], backend=backend.name)
