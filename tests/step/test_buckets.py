@@ -7,6 +7,7 @@ tolerance. Where the step's rows are not independent, padding is refused with a 
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 
@@ -279,15 +280,21 @@ def test_a_process_that_ran_torch_compile_pads_a_step_that_runs_no_compiled_code
     assert explain(step).padded_calls == 1
 
 
+@contextlib.contextmanager
+def _another_profile_function():
+    sys.setprofile(lambda frame, event, arg: None)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+
+
 def test_a_process_that_ran_torch_compile_is_not_padded_where_a_profiler_hides_compiled_code(backend):
     """Another profile function leaves the call unwatched: any torch.compile in the process then counts."""
     torch.compile(lambda x: x + 1, backend="eager")(_rows(backend, 2))
     step = graph_step(lambda x: (x * 2).tanh(), capture_sizes=[4], backend=backend.name)
-    sys.setprofile(lambda frame, event, arg: None)
-    try:
+    with _another_profile_function():
         step.prepare(_rows(backend, 4))  # its warm-up calls are checked
-    finally:
-        sys.setprofile(None)
     step(_rows(backend, 3))
     assert "the process has run torch.compile" in explain(step).not_padded[4]
 
@@ -297,11 +304,8 @@ def test_a_step_that_compiles_the_first_graph_of_the_process_unwatched_is_not_pa
     monkeypatch.setitem(torch._dynamo.utils.counters["stats"], "unique_graphs", 0)
     doubled = torch.compile(lambda x: x * 2, backend="eager")  # compiled in the checked call, the first
     step = graph_step(lambda x: doubled(x).tanh(), capture_sizes=[4], warmup_calls=1, backend=backend.name)
-    sys.setprofile(lambda frame, event, arg: None)
-    try:
-        step.prepare(_rows(backend, 4))
-    finally:
-        sys.setprofile(None)
+    with _another_profile_function():
+        step.prepare(_rows(backend, 4))  # its warm-up calls are checked
     step(_rows(backend, 3))
     assert "the process has run torch.compile" in explain(step).not_padded[4]
 
