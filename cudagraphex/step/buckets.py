@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from cudagraphex.step.rows import Rows
+from cudagraphex.step.layouts import Rows
 from cudagraphex.step.state import is_tensor
 
 __all__ = ["batch_rows", "copy_rows", "handed_out_rows", "memory_layout", "rows_key", "sized_to", "validated_sizes"]

@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import functools
 import gc
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,8 +46,20 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from typing_extensions import Self
 
 from cudagraphex.step.compiled_code import CompiledCodeWatch
+from cudagraphex.step.layouts import (
+    Maybe,
+    Refused,
+    Rows,
+    dim_set,
+    elementwise,
+    moved_axis,
+    named,
+    reduced,
+    refuse,
+    reshaped,
+)
 
-__all__ = ["Maybe", "RowCheck", "Rows", "on_shapes_only"]
+__all__ = ["RowCheck", "on_shapes_only"]
 
 
 @functools.cache
@@ -68,27 +78,6 @@ def on_shapes_only(args: Any, kwargs: Any) -> bool:
 
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Dim ``axis`` holds the batch, ``inner`` consecutive entries per row."""
-
-    axis: int
-    inner: int = 1
-
-
-@dataclass(frozen=True)
-class Maybe:
-    """A size the step chose, which may come from the batch: each of ``axes`` may hold it."""
-
-    axes: frozenset[int]
-
-
-class _Refused(Exception):
-    pass
-
-
 _VIEWS = {aten.view, aten._unsafe_view, aten.reshape}
 _SAME = {
     aten._to_copy,
@@ -183,11 +172,11 @@ class RowCheck(TorchDispatchMode):
             try:
                 layout = self._layout(t)
                 if isinstance(layout, Maybe):
-                    raise _Refused(f"an output of shape {tuple(t.shape)} has a size that may come from the batch")
+                    raise Refused(f"an output of shape {tuple(t.shape)} has a size that may come from the batch")
                 if isinstance(layout, Rows) and layout.axis != 0:
-                    raise _Refused(f"an output carries the batch along dim {layout.axis}, not 0")
+                    raise Refused(f"an output carries the batch along dim {layout.axis}, not 0")
                 return layout
-            except _Refused as e:
+            except Refused as e:
                 self.problem = str(e)
         return None
 
@@ -208,7 +197,7 @@ class RowCheck(TorchDispatchMode):
                 inputs = []
             layouts = [self._layout(t) for t in inputs]
             self._check_effects(func, args, kwargs, layouts)
-        except _Refused as e:
+        except Refused as e:
             self.problem = f"{e} ({func})"
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
@@ -219,7 +208,7 @@ class RowCheck(TorchDispatchMode):
                 for t in pytree.tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t not in self._known:
                         self._known[t] = None
-        except _Refused as e:
+        except Refused as e:
             self.problem = f"{e} ({func})"
         return out
 
@@ -233,20 +222,20 @@ class RowCheck(TorchDispatchMode):
         storage = _storage(t)
         if id(t) in self._before_ids or storage in self._before_storages:
             if storage in self._arg_storages:
-                raise _Refused("a tensor shares memory with an argument")
+                raise Refused("a tensor shares memory with an argument")
             return None
-        raise _Refused("a tensor of unseen origin (compiled code?) is used")
+        raise Refused("a tensor of unseen origin (compiled code?) is used")
 
     def _check_effects(self, func, args, kwargs, layouts) -> None:
         packet = func.overloadpacket
         if packet in _ATTENTION:
-            dropout = _named(func, args, kwargs).get("dropout_p", 0.0)
+            dropout = named(func, args, kwargs).get("dropout_p", 0.0)
             if dropout:
-                raise _Refused("attention with dropout draws random numbers")
+                raise Refused("attention with dropout draws random numbers")
         elif torch.Tag.nondeterministic_seeded in func.tags:
-            raise _Refused("the step draws random numbers")
+            raise Refused("the step draws random numbers")
         if packet in (aten.native_batch_norm, aten._native_batch_norm_legit) and any(layouts) and args[5]:
-            raise _Refused("batch norm in training mixes rows")
+            raise Refused("batch norm in training mixes rows")
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
@@ -255,16 +244,14 @@ class RowCheck(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and (
                     id(t) in self._args or t not in self._known or _storage(t) in self._before_storages
                 ):
-                    raise _Refused(
-                        "the step writes a tensor that outlives the call in place (its state or an argument)"
-                    )
+                    raise Refused("the step writes a tensor that outlives the call in place (its state or an argument)")
 
     def _record(self, func, args, kwargs, inputs, layouts, out) -> None:
         packet = func.overloadpacket
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outs:
             if any(layouts) and packet not in _METADATA:
-                raise _Refused("an op turns rows into a host value")
+                raise Refused("an op turns rows into a host value")
             return
         written = (
             set() if packet in _LIFTS else {id(t) for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)}
@@ -274,7 +261,7 @@ class RowCheck(TorchDispatchMode):
         for t, layout in zip(outs, results, strict=True):
             if id(t) in written and self._known.get(t) != layout:
                 # Other views of its memory still have the old description.
-                raise _Refused("an in-place write changes which rows a tensor carries")
+                raise Refused("an in-place write changes which rows a tensor carries")
             self._known[t] = layout
 
     def _rule(self, func, packet, args, kwargs, inputs, layouts, outs) -> list:
@@ -283,7 +270,7 @@ class RowCheck(TorchDispatchMode):
         if packet in (aten.expand, aten.repeat):
             return [self._sized(outs[0], inputs[0], layouts[0])]
         if torch.Tag.pointwise in func.tags or packet in _SAME or packet is aten.copy_ or packet is aten.masked_fill:
-            return [_elementwise(t, inputs, layouts) for t in outs]
+            return [elementwise(t, inputs, layouts) for t in outs]
         (layout, source), *rest = [(lo, t) for lo, t in zip(layouts, inputs, strict=True) if lo is not None] or [
             (None, None)
         ]
@@ -291,28 +278,28 @@ class RowCheck(TorchDispatchMode):
             if packet is aten.embedding and source is args[1]:
                 return [layout]
             try:
-                moved = [_moved_axis(packet, args, Rows(a), source, outs) for a in layout.axes]
-            except _Refused:
+                moved = [moved_axis(packet, args, Rows(a), source, outs) for a in layout.axes]
+            except Refused:
                 moved = [None]
             if None not in moved:
                 return [Maybe(frozenset(moved)) for _ in outs]
         if isinstance(layout, Maybe) or any(isinstance(lo, Maybe) for lo, _ in rest):
-            raise _Refused("a size that may come from the batch reaches an op that is not elementwise")
+            raise Refused("a size that may come from the batch reaches an op that is not elementwise")
         if packet in _VIEWS:
-            return [_reshaped(layout, source, outs[0], self.batch)]
+            return [reshaped(layout, source, outs[0], self.batch)]
         if packet in _REDUCTIONS:
-            return [_reduced(func, args, kwargs, layout, source) for _ in outs]
+            return [reduced(func, args, kwargs, layout, source) for _ in outs]
         if packet in _ALONG_DIM:
-            dim = _dims(args[1] if len(args) > 1 else kwargs.get("dim", -1), source.dim())
+            dim = dim_set(args[1] if len(args) > 1 else kwargs.get("dim", -1), source.dim())
             if layout.axis in dim:
-                raise _Refused("the step works along the batch axis")
+                raise Refused("the step works along the batch axis")
             return [layout for _ in outs]
-        axis = _moved_axis(packet, args, layout, source, outs)
+        axis = moved_axis(packet, args, layout, source, outs)
         if axis is not None:
             return [
                 Rows(axis, layout.inner)
                 if t.dim() > axis and t.shape[axis] == source.shape[layout.axis]
-                else _refuse("a slice along the batch axis")
+                else refuse("a slice along the batch axis")
                 for t in outs
             ]
         return [self._other(func, args, inputs, layouts, t) for t in outs]
@@ -320,10 +307,10 @@ class RowCheck(TorchDispatchMode):
     def _sized(self, t: torch.Tensor, source, layout) -> Rows | Maybe | None:
         if layout is not None:
             if not isinstance(layout, Rows):
-                raise _Refused("a size that may come from the batch is expanded")
+                raise Refused("a size that may come from the batch is expanded")
             offset = t.dim() - source.dim()
             if t.shape[layout.axis + offset] != source.shape[layout.axis]:
-                raise _Refused("the batch axis is repeated")
+                raise Refused("the batch axis is repeated")
             return Rows(layout.axis + offset, layout.inner)
         shift = 0 if source is None else t.dim() - source.dim()
         known = (
@@ -344,17 +331,17 @@ class RowCheck(TorchDispatchMode):
             both = packet is aten.addmm and len(carriers) == 2 and carriers[0][1] is args[0]
             if both and carriers[1][1] is args[1] and carriers[0][0] == carriers[1][0] == Rows(0, lo.inner):
                 return carriers[1][0]
-            raise _Refused("a matrix product contracts or mixes the batch")
+            raise Refused("a matrix product contracts or mixes the batch")
         if packet in (aten.bmm, aten.baddbmm):
             a, b = args[-2], args[-1]
             la, lb = self._layout(a), self._layout(b)
             if packet is aten.baddbmm and self._layout(args[0]) not in (None, la):
-                raise _Refused("a batched matrix product adds a tensor whose rows lie elsewhere")
+                raise Refused("a batched matrix product adds a tensor whose rows lie elsewhere")
             if la is not None and la.axis == 0 and (lb == la or (lb is None and b.shape[0] == 1)):
                 return la
             if la is not None and la.axis == 1 and lb is None:
                 return la
-            raise _Refused("a batched matrix product contracts or mixes the batch")
+            raise Refused("a batched matrix product contracts or mixes the batch")
         if packet is aten.embedding and layouts[0] is None:
             return layouts[1]
         if packet is aten.index_select and len(carriers) == 1:
@@ -386,9 +373,9 @@ class RowCheck(TorchDispatchMode):
                     return first
                 if packet is aten.stack:
                     return Rows(first.axis + (dim <= first.axis), first.inner)
-            raise _Refused("a concatenation mixes tensors with and without the batch, or along it")
+            raise Refused("a concatenation mixes tensors with and without the batch, or along it")
         if packet in _ATTENTION and isinstance(layouts[0], Rows) and layouts[0].axis == 0:
-            q, bias = args[0], _named(func, args, {}).get("attn_bias")
+            q, bias = args[0], named(func, args, {}).get("attn_bias")
             bias_ok = (
                 bias is None or self._layout(bias) == layouts[0] or (self._layout(bias) is None and bias.shape[0] == 1)
             )
@@ -396,11 +383,7 @@ class RowCheck(TorchDispatchMode):
                 return layouts[0] if t.dim() > 0 and t.shape[0] == q.shape[0] else None
         if packet in (aten.tril, aten.triu) and layouts[0] is not None and layouts[0].axis < args[0].dim() - 2:
             return layouts[0]
-        raise _Refused(f"an op the row check does not know ({packet.__name__}) gets a tensor that carries rows")
-
-
-def _refuse(reason: str):
-    raise _Refused(reason)
+        raise Refused(f"an op the row check does not know ({packet.__name__}) gets a tensor that carries rows")
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -408,107 +391,3 @@ def _storage(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return 0
-
-
-def _dims(dim: Any, ndim: int) -> set[int]:
-    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-        return set(range(ndim))
-    if isinstance(dim, int):
-        dim = [dim]
-    return {d % max(ndim, 1) for d in dim}
-
-
-def _elementwise(t: torch.Tensor, inputs, layouts) -> Rows | Maybe | None:
-    """Elementwise with broadcasting: a batch axis must line up with every other one, and a size that may come from
-    the batch is settled by what it lines up with."""
-    rows: Rows | None = None
-    fixed: set[int] = set()
-    for s, lo in zip(inputs, layouts, strict=True):
-        offset = t.dim() - s.dim()
-        if isinstance(lo, Rows):
-            here = Rows(lo.axis + offset, lo.inner)
-            if rows is not None and here != rows:
-                raise _Refused("an elementwise op lines up the batch with another axis")
-            rows = here
-            fixed |= {d + offset for d in range(s.dim()) if d != lo.axis and s.shape[d] == t.shape[d + offset]}
-    maybe: set[int] = set()
-    for s, lo in zip(inputs, layouts, strict=True):
-        if isinstance(lo, Maybe):
-            offset = t.dim() - s.dim()
-            for d in lo.axes:
-                o = d + offset
-                if rows is not None and o == rows.axis:
-                    continue
-                if o in fixed:
-                    continue
-                maybe.add(o)
-    if rows is not None:
-        if maybe:
-            raise _Refused("an elementwise op combines the batch with a size that may come from the batch elsewhere")
-        return rows
-    return Maybe(frozenset(maybe)) if maybe else None
-
-
-def _named(func, args, kwargs) -> dict[str, Any]:
-    """The op's arguments by their schema names."""
-    return dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
-
-
-def _reduced(func, args, kwargs, layout: Rows, source: torch.Tensor) -> Rows:
-    values = _named(func, args, kwargs)
-    reduced = _dims(values.get("dim"), source.dim())
-    if layout.axis in reduced:
-        raise _Refused("a reduction over the batch")
-    if values.get("keepdim", False):
-        return layout
-    return Rows(layout.axis - sum(1 for d in reduced if d < layout.axis), layout.inner)
-
-
-def _reshaped(layout: Rows | None, source: torch.Tensor, t: torch.Tensor, batch: int) -> Rows | None:
-    if layout is None:
-        return None
-    lead = math.prod(source.shape[: layout.axis])
-    per_row = source.shape[layout.axis] // batch * math.prod(source.shape[layout.axis + 1 :])
-    for k in range(t.dim()):
-        if math.prod(t.shape[:k]) != lead:
-            continue
-        size = t.shape[k]
-        if size % batch == 0 and size // batch * math.prod(t.shape[k + 1 :]) == per_row:
-            return Rows(k, size // batch)
-    raise _Refused("a view splits the batch axis")
-
-
-def _moved_axis(packet, args, layout: Rows, source: torch.Tensor, outs) -> int | None:
-    """Where a view that moves, adds or removes dims puts the batch axis (None: not such a view)."""
-    a, n = layout.axis, source.dim()
-    if packet is aten.permute:
-        return [d % n for d in args[1]].index(a)
-    if packet is aten.transpose:
-        d0, d1 = args[1] % n, args[2] % n
-        return d1 if a == d0 else d0 if a == d1 else a
-    if packet is aten.t:
-        return 1 - a if n == 2 else a
-    if packet is aten.unsqueeze:
-        d = args[1] % (n + 1)
-        return a + (d <= a)
-    if packet is aten.squeeze:
-        dims = _dims(args[1] if len(args) > 1 else None, n)
-        return a - sum(1 for d in dims if d < a and source.shape[d] == 1)
-    if packet in (aten.slice, aten.narrow):
-        dim = (args[1] if len(args) > 1 else 0) % n
-        if dim == a and outs[0].shape[a] != source.shape[a]:
-            raise _Refused("a slice along the batch axis")
-        return a
-    if packet in (aten.select, aten.unbind):
-        dim = (args[1] if len(args) > 1 else 0) % n
-        if dim == a:
-            raise _Refused("a select along the batch axis")
-        return a - (dim < a)
-    if packet in (aten.split, aten.split_with_sizes, aten.chunk, aten.unsafe_split):
-        dim = (args[2] if len(args) > 2 else 0) % n
-        if dim == a:
-            raise _Refused("a split along the batch axis")
-        return a
-    if packet is aten.expand_copy or packet is aten.as_strided:
-        raise _Refused("a strided view of a tensor that carries rows")
-    return None
