@@ -24,6 +24,7 @@ __all__ = [
     "CaptureFailed",
     "CudaBackend",
     "EmulatedBackend",
+    "SharedPool",
     "allocate_blas_workspaces",
     "backend_for",
     "is_capturing",
@@ -38,6 +39,30 @@ _capture_streams: dict[int, torch.cuda.Stream] = {}
 
 class CaptureFailed(RuntimeError):
     """Capturing a region failed; the process is left as it was before the attempt."""
+
+
+class SharedPool:
+    """The id of the memory pool that a set of graphs share, renewed while no graph captured into it is alive.
+
+    The caching allocator keeps a pool after its last graph is gone, until the pool's memory is freed, and a capture
+    into such a pool fails an internal assert (``use_count > 0``). A pool whose only captures failed or were discarded
+    is one; the next capture then gets a new pool.
+    """
+
+    def __init__(self, new_id: Callable[[], Any]) -> None:
+        self._new_id = new_id
+        self._id: Any = None
+        self._graphs: weakref.WeakSet = weakref.WeakSet()
+
+    def for_capture(self) -> Any:
+        """The id to capture into."""
+        if self._id is None or not self._graphs:
+            self._id = self._new_id()
+        return self._id
+
+    def captured(self, graph: Any) -> None:
+        """Notes ``graph``, captured into the id :meth:`for_capture` returned; it holds the pool while it is alive."""
+        self._graphs.add(graph)
 
 
 def is_capturing() -> bool:

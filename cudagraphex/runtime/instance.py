@@ -117,7 +117,7 @@ class Instance:
                 self.graph, outputs = region.backend.capture(
                     region.fn,
                     graph_args,
-                    pool=pool.handle,
+                    pool=pool.ids.for_capture(),
                     device=region.device,
                     static=self.static,
                     mutated=sorted(region.mutated_idx),

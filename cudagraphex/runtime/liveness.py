@@ -6,9 +6,9 @@ Invariants
 Pools
     Graph memory (intermediates and outputs) lives in a pool. The graphs of one compiled function on one device share
     a pool and are captured on one stream in call order, so a later graph reuses the memory of an earlier graph's
-    intermediates. Instances captured because the shared pool was busy get a pool of their own. Input buffers are
-    ordinary allocations owned by the graph. Everything is owned by the compiled function, through its compile data,
-    and is freed with it.
+    intermediates. Instances captured because the shared pool was busy get a pool of their own. A pool whose captures
+    all failed takes a new id (``SharedPool``). Input buffers are ordinary allocations owned by the graph. Everything
+    is owned by the compiled function, through its compile data, and is freed with it.
 
 When a graph may be replayed
     A replay writes every storage the graph allocated during capture, and may write storages that graphs captured
@@ -33,12 +33,13 @@ Baselines
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cudagraphex._protections import PROTECTIONS
+from cudagraphex.capture import SharedPool
 from cudagraphex.runtime.release import refs
 
 if TYPE_CHECKING:
@@ -53,8 +54,8 @@ _use_count = torch._C._storage_Use_Count
 class Pool:
     """A memory pool and the instances captured into it, in capture order."""
 
-    def __init__(self, handle: Any, shared: bool) -> None:
-        self.handle = handle
+    def __init__(self, new_id: Callable[[], Any], shared: bool) -> None:
+        self.ids = SharedPool(new_id)
         self.shared = shared
         self.instances: list[Instance] = []
         #: Anchors handed out as themselves, by ``id``: (their instance's liveness, position among its direct anchors).
@@ -65,6 +66,7 @@ class Pool:
         self.given_back: dict[tuple[Liveness, int], None] = {}
 
     def register(self, instance: Instance) -> None:
+        self.ids.captured(instance.graph)
         # A replay of an earlier instance may write memory this one took from the earlier one's intermediates.
         for earlier in self.instances:
             earlier.liveness.watch(instance.liveness)

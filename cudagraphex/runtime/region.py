@@ -75,10 +75,10 @@ class FunctionGraphs:
 
     def pool(self, device: torch.device, *, private: bool) -> Pool:
         if private or not self.options.share_pool:
-            return Pool(self.backend.new_pool(device), shared=False)
+            return Pool(lambda: self.backend.new_pool(device), shared=False)
         pool = self._shared_pools.get(device)
         if pool is None:
-            pool = self._shared_pools[device] = Pool(self.backend.new_pool(device), shared=True)
+            pool = self._shared_pools[device] = Pool(lambda: self.backend.new_pool(device), shared=True)
         return pool
 
     def regions(self) -> list[GraphedRegion]:

@@ -90,7 +90,7 @@ class StepCapture:
         self.state_guard = layout_guard(present)
 
 
-def capture_cuda(fn: Callable, graph: StepCapture, slots: Slots, before: list, pool: Any) -> Any:
+def capture_cuda(fn: Callable, graph: StepCapture, slots: Slots, before: list, pool: _capture.SharedPool) -> Any:
     """Records ``fn`` on the buffers of ``graph`` into ``pool``; returns what ``fn`` returned (its outputs)."""
     device = torch.device("cuda", torch.cuda.current_device())
     cuda_graph = torch.cuda.CUDAGraph()
@@ -100,7 +100,7 @@ def capture_cuda(fn: Callable, graph: StepCapture, slots: Slots, before: list, p
         gc.disable()
         try:
             with _capture.whole_step():
-                cuda_graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                cuda_graph.capture_begin(pool=pool.for_capture(), capture_error_mode="thread_local")
                 try:
                     out = fn(*graph.replay_args[0], **graph.replay_args[1])
                     keep_slots(slots, before)
@@ -114,6 +114,7 @@ def capture_cuda(fn: Callable, graph: StepCapture, slots: Slots, before: list, p
             if gc_enabled:
                 gc.enable()
     graph.graph = cuda_graph
+    pool.captured(cuda_graph)
     return out
 
 

@@ -157,7 +157,7 @@ class StepGraph:
         self._slots = Slots(self.modules, self.optimizers)
         self._current: StepCapture | None = None
         self._graphs: dict[tuple, StepCapture] = {}
-        self._pool: Any = None
+        self._pool = _capture.SharedPool(torch.cuda.graph_pool_handle)
         self._warmups: Counter[tuple] = Counter()
         self._refused: dict[tuple, str] = {}
         self._report = StepReport(self.__name__)
@@ -400,8 +400,6 @@ class StepGraph:
             out = capture_emulated(self.fn, graph, self._slots, before)
         else:
             try:
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
                 out = capture_cuda(self.fn, graph, self._slots, before, self._pool)
             except NotCapturable as e:
                 return None, NOT_RUN, str(e)

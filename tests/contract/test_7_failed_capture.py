@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -9,6 +10,7 @@ import thunder
 import torch
 
 from cudagraphex import CUDAGraphExecutor, StrictModeError
+from cudagraphex.capture import SharedPool
 from tests.contract.scenarios import fragile, fragile_triple
 from tests.helpers import emulated, protection_off, regions
 
@@ -65,3 +67,44 @@ def test_strict_mode_raises_instead_of_falling_back(backend):
     jf(x)
     with pytest.raises(StrictModeError, match="capturing region CUDAGraph"):
         jf(x)
+
+
+def fragile_then_more(x):
+    a = fragile_triple(x.sin()) * 2
+    total = a.sum().item()  # splits the trace: the region after it captures into the same pool
+    return x.cos() * 3 + a, total
+
+
+def test_a_region_captures_after_the_first_capture_of_its_pool_failed(backend):
+    """The failed capture was the pool's only graph. On CUDA the caching allocator keeps that pool until its memory
+    is freed and refuses a capture into it, so the next region captures into a new pool."""
+    jf = thunder.jit(fragile_then_more, executors=[backend.executor, fragile, *thunder.get_default_executors()])
+    x = torch.randn(16, device=backend.device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            out, total = jf(x)
+            torch.testing.assert_close(out, x.cos() * 3 + x.sin() * 6)
+            assert total == pytest.approx(float((x.sin() * 6).sum()), rel=1e-5)
+    failed = [str(w.message) for w in caught if "failed" in str(w.message)]
+    assert len(failed) == 1 and "simulated out of memory" in failed[0], failed
+    fragile_region, after = regions(jf, backend.executor)
+    assert fragile_region.disabled_reason is not None
+    assert after.disabled_reason is None and len(after.instances) == 1
+
+
+def test_a_shared_pool_takes_a_new_id_while_no_graph_captured_into_it_is_alive():
+    ids = iter(range(100))
+    pool = SharedPool(lambda: next(ids))
+    first = pool.for_capture()
+    assert pool.for_capture() != first  # the capture into ``first`` failed: no graph holds it
+
+    class Graph:
+        pass
+
+    graph, held = Graph(), pool.for_capture()
+    pool.captured(graph)
+    assert pool.for_capture() == held
+    del graph
+    gc.collect()
+    assert pool.for_capture() != held

@@ -174,6 +174,30 @@ def test_a_failed_capture_runs_the_step_as_is():
     assert "capturing the step failed" in report.not_captured
 
 
+@pytest.mark.cuda
+def test_a_step_captures_after_its_only_earlier_capture_failed():
+    """The failed capture was the only graph in the step's pool; the caching allocator keeps that pool until its
+    memory is freed and refuses a capture into it, so the next capture takes a new pool."""
+    weight = torch.randn(16, 16, device="cuda")
+
+    def fn(x):
+        y = (x @ weight).tanh()
+        if x.shape[0] == 3 and torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # fails the capture of the 3-row signature alone
+        return y * 2
+
+    step = graph_step(fn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for rows in (3, 3, 3, 4, 4, 4, 4):
+            x = torch.randn(rows, 16, device="cuda")
+            torch.testing.assert_close(step(x), (x @ weight).tanh() * 2)
+    failed = [str(w.message) for w in caught if "capturing the step failed" in str(w.message)]
+    assert len(failed) == 1 and "use_count" not in failed[0], failed
+    report = explain(step)
+    assert report.captures == 1 and report.replays >= 1 and report.not_captured is None, report
+
+
 # -- bad input ---------------------------------------------------------------------------------------------------------
 
 
