@@ -57,12 +57,13 @@ class SharedPool:
     def for_capture(self) -> Any:
         """The id to capture into."""
         if self._id is None or not self._graphs:
-            self._id = self._new_id()
+            self._id, self._graphs = self._new_id(), weakref.WeakSet()
         return self._id
 
-    def captured(self, graph: Any) -> None:
-        """Notes ``graph``, captured into the id :meth:`for_capture` returned; it holds the pool while it is alive."""
-        self._graphs.add(graph)
+    def captured(self, graph: Any, pool_id: Any) -> None:
+        """Notes ``graph``, captured into ``pool_id`` (from :meth:`for_capture`): while alive, it holds that pool."""
+        if pool_id == self._id:
+            self._graphs.add(graph)
 
 
 def is_capturing() -> bool:

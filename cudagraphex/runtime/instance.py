@@ -112,12 +112,13 @@ class Instance:
         before = region.backend.reserved_bytes(region.device)
         start = time.perf_counter()
         give_back = give_back or {}
+        pool_id = pool.ids.for_capture()
         with giving_back(region.backend.release, give_back, args) as given:
             try:
                 self.graph, outputs = region.backend.capture(
                     region.fn,
                     graph_args,
-                    pool=pool.ids.for_capture(),
+                    pool=pool_id,
                     device=region.device,
                     static=self.static,
                     mutated=sorted(region.mutated_idx),
@@ -126,6 +127,7 @@ class Instance:
                 # The memory given back is the pool's now.
                 pool.note_given_back([(give_back[cd].owner, give_back[cd].group) for cd in given])
                 raise
+        pool.ids.captured(self.graph, pool_id)
         #: Static inputs the capture wrote: the ops it records bump the counters of what they write, as eager's do,
         #: and one the trace only may write (an alias it cannot rule out) keeps its counter. Each replay bumps them
         #: again, so that autograd sees the writes.

@@ -66,7 +66,6 @@ class Pool:
         self.given_back: dict[tuple[Liveness, int], None] = {}
 
     def register(self, instance: Instance) -> None:
-        self.ids.captured(instance.graph)
         # A replay of an earlier instance may write memory this one took from the earlier one's intermediates.
         for earlier in self.instances:
             earlier.liveness.watch(instance.liveness)

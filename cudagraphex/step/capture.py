@@ -94,13 +94,14 @@ def capture_cuda(fn: Callable, graph: StepCapture, slots: Slots, before: list, p
     """Records ``fn`` on the buffers of ``graph`` into ``pool``; returns what ``fn`` returned (its outputs)."""
     device = torch.device("cuda", torch.cuda.current_device())
     cuda_graph = torch.cuda.CUDAGraph()
+    pool_id = pool.for_capture()
     rng_state = torch.cuda.get_rng_state(device)
     gc_enabled = gc.isenabled()
     with _capture.on_capture_stream(device) as stream:
         gc.disable()
         try:
             with _capture.whole_step():
-                cuda_graph.capture_begin(pool=pool.for_capture(), capture_error_mode="thread_local")
+                cuda_graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
                 try:
                     out = fn(*graph.replay_args[0], **graph.replay_args[1])
                     keep_slots(slots, before)
@@ -114,7 +115,7 @@ def capture_cuda(fn: Callable, graph: StepCapture, slots: Slots, before: list, p
             if gc_enabled:
                 gc.enable()
     graph.graph = cuda_graph
-    pool.captured(cuda_graph)
+    pool.captured(cuda_graph, pool_id)
     return out
 
 

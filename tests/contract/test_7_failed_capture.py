@@ -103,8 +103,12 @@ def test_a_shared_pool_takes_a_new_id_while_no_graph_captured_into_it_is_alive()
         pass
 
     graph, held = Graph(), pool.for_capture()
-    pool.captured(graph)
+    pool.captured(graph, held)
     assert pool.for_capture() == held
     del graph
     gc.collect()
-    assert pool.for_capture() != held
+    renewed = pool.for_capture()
+    assert renewed != held
+    late = Graph()
+    pool.captured(late, held)  # captured into the old id, which it holds alone: not the new one's holder
+    assert pool.for_capture() != renewed
