@@ -150,8 +150,8 @@ class RowCheck(TorchDispatchMode):
         # address and reads as old. (type(): no __class__ lookup, which some proxies answer with a warning.)
         self._before = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
         self._before_ids = {id(t) for t in self._before}
-        self._before_storages = {_storage(t) for t in self._before}
-        self._arg_storages = {_storage(a) for a in args if isinstance(a, torch.Tensor)}
+        self._before_storages = {_storage(t) for t in self._before} - {None}
+        self._arg_storages = {_storage(a) for a in args if isinstance(a, torch.Tensor)} - {None}
 
     def __enter__(self) -> Self:
         if not self._depth:  # the check enters itself again to look into composite ops
@@ -386,8 +386,12 @@ class RowCheck(TorchDispatchMode):
         raise Refused(f"an op the row check does not know ({packet.__name__}) gets a tensor that carries rows")
 
 
-def _storage(t: torch.Tensor) -> int:
+def _storage(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s memory; None where it has none to share (fake, meta or empty: no data pointer is read,
+    since reading a fake tensor's warns)."""
     try:
-        return t.untyped_storage().data_ptr()
+        if isinstance(t, FakeTensor) or t.is_meta:
+            return None
+        return t.untyped_storage().data_ptr() or None
     except (RuntimeError, NotImplementedError):
-        return 0
+        return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -244,6 +245,21 @@ def test_a_compilers_work_on_fake_tensors_during_the_check_does_not_refuse_paddi
     report = explain(step)
     assert report.not_padded == {}
     assert report.padded_calls == 1
+
+
+def test_fake_tensors_alive_in_the_process_raise_no_warning_from_the_check(backend):
+    """The check notes the memory of every tensor that exists before the call. Fake tensors that a compiler left alive
+    have none, and reading a fake tensor's data pointer warns (and PyTorch says it will raise)."""
+    with FakeTensorMode():
+        left_by_a_compiler = torch.empty(4, 16, device=backend.device)
+    step = graph_step(lambda x: x * 2, capture_sizes=[4], backend=backend.name)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*FakeTensor.*")
+        step.prepare(_rows(backend, 4))
+        x = _rows(backend, 3)
+        torch.testing.assert_close(step(x), x * 2)
+    assert explain(step).padded_calls == 1
+    del left_by_a_compiler
 
 
 def test_a_step_that_runs_torch_compiled_code_is_not_padded(backend):
