@@ -387,8 +387,8 @@ class RowCheck(TorchDispatchMode):
 
 
 def _storage(t: torch.Tensor) -> int | None:
-    """The address of ``t``'s memory; None where it has none to share (fake, meta or empty: no data pointer is read,
-    since reading a fake tensor's warns)."""
+    """The address of ``t``'s memory; None where it has none to share: a fake or meta tensor (whose data pointer is
+    not read: reading a fake tensor's warns) or an empty one (address 0)."""
     try:
         if isinstance(t, FakeTensor) or t.is_meta:
             return None
