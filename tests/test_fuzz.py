@@ -741,6 +741,33 @@ def test_a_whole_step_input_write_that_plain_thunder_makes_only_in_its_backward_
     assert "plain Thunder given a backward at that step writes the input as cudagraphex does" in failure.excused
 
 
+def test_a_whole_step_output_that_is_an_input_plain_thunder_writes_only_in_its_backward_is_judged_by_that_backward():
+    """The step returns ``x0``, which it writes in place: plain Thunder moves the write into its backward, so the
+    second step, which runs none, returns ``x0`` as it was. Eager refuses the first step's backward (``x0`` is saved
+    for ``w0``'s gradient): no verdict. Plain Thunder given a backward at the second step returns ``x0`` written, as
+    cudagraphex does: excused."""
+    lines = [
+        Line("v0 = x0 @ self.w0.t()", "v0", frozenset({"x0", "self.w0"}), False, "matmul"),
+        Line("x0[0].add_(1)", None, frozenset({"x0"}), True, "write_input"),
+    ]
+    program = _program(
+        module=True,
+        tensors=[
+            TensorSpec("x0", "BD", "x"),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+        ],
+        lines=lines,
+        outputs=["v0", "x0"],
+        steps=[Step("call", Mode(), loss="now"), Step("call", Mode())],
+        min_region_size=2,
+        whole_step=True,
+        optimizer="sgd",
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 1 and failure.symptom == "outN: values"
+    assert "plain Thunder given a backward at that step writes the input as cudagraphex does" in failure.excused
+
+
 def test_a_dtype_that_thunders_cache_gives_by_the_order_of_calls_is_excused_where_thunder_in_that_order_agrees():
     """A bucketed step pads the first call into its graph, so Thunder's function first sees a call of that size under
     autocast. The last call runs as is (its ``direct`` flag misses the graph's guards), without autocast: Thunder

@@ -33,7 +33,8 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
     an output that plain Thunder connects to autograd and cudagraphex does not, :func:`_a_fusion_executor_agrees` and
     :func:`_thunders_backward_has_no_gradient`;
     for a whole step's loss or input write that plain Thunder misses, :data:`_MISSED_BY_A_MOVED_WRITE` where Thunder
-    with its torch.compile fusion executor agrees with cudagraphex, or :func:`_written_by_thunders_backward`."""
+    with its torch.compile fusion executor agrees with cudagraphex, or :func:`_written_by_thunders_backward` (also for
+    an output that is the written input)."""
     program = failure.program
     if failure.symptom.startswith("raises only without cudagraphex") and THUNDER_FUNCTION_VIEW in failure.symptom:
         failure.excused = (
@@ -69,8 +70,8 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
             failure.excused = f"{no_gradient}; plain Thunder's backward trace for this call returns no gradient"
     # What a whole step misses where plain Thunder moved an in-place write of its forward into its backward.
     missed = _MISSED_BY_A_MOVED_WRITE.get("loss" if failure.label == "loss" else failure.symptom)
-    if not failure.excused and program.whole_step and missed:
-        if _a_fusion_executor_agrees(failure, backend, ex, mode="close"):
+    if not failure.excused and program.whole_step:
+        if missed and _a_fusion_executor_agrees(failure, backend, ex, mode="close"):
             failure.excused = missed
         elif _written_by_thunders_backward(failure, backend, ex):
             failure.excused = _WRITTEN_BY_THUNDERS_BACKWARD
@@ -418,15 +419,18 @@ def _witness_agrees(
 _WRITTEN_BY_THUNDERS_BACKWARD = (
     "plain Thunder moves an in-place write of the forward into its backward, so a whole step that runs none misses it;"
     " eager gives no verdict, and plain Thunder given a backward at that step writes the input as cudagraphex does"
+    " (and an output that is the input with it)"
 )
 
 
 def _written_by_thunders_backward(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> bool:
     """Whether plain Thunder, given a backward at the failing step, writes the input as cudagraphex does without one:
     the witness of a moved write where Thunder's torch.compile fusion executor gives none (Inductor refuses some
-    writes into views of inputs)."""
+    writes into views of inputs). Also for an output: the backward writes no output Thunder made, so only an output
+    that shares memory with the written input can come out as cudagraphex's by it."""
     step = failure.program.steps[failure.step]
-    if failure.symptom != "input NAME after the call: values" or step.loss != "none" or not step.mode.grad:
+    symptoms = ("input NAME after the call: values", "outN: values")
+    if failure.symptom not in symptoms or step.loss != "none" or not step.mode.grad:
         return False
     steps = [*failure.program.steps[: failure.step], dataclasses.replace(step, loss="now")]
     return _witness_agrees(failure, backend, ex, (None, "reference, with a backward"), steps, "close")
