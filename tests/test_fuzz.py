@@ -712,30 +712,35 @@ def test_an_error_that_thunders_fusion_executor_raises_in_both_is_excused_where_
     assert "cudagraphex agrees with eager" in failure.excused
 
 
+def _whole_step_writing_x0_saved_for_w0(write: list[Line], outputs: list[str], layout: str) -> Program:
+    """Whole steps of ``v0 = x0 @ w0.t()`` then ``write`` into ``x0``, with SGD: a first step with a backward, which
+    eager refuses (``x0`` is saved for ``w0``'s gradient), and a second without one, on inputs of ``layout``."""
+    return _program(
+        module=True,
+        tensors=[
+            TensorSpec("x0", "BD", "x"),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+        ],
+        lines=[Line("v0 = x0 @ self.w0.t()", "v0", frozenset({"x0", "self.w0"}), False, "matmul"), *write],
+        outputs=outputs,
+        steps=[Step("call", Mode(), loss="now"), Step("call", Mode(), layout=layout)],
+        min_region_size=2,
+        whole_step=True,
+        optimizer="sgd",
+    )
+
+
 def test_a_whole_step_input_write_that_plain_thunder_makes_only_in_its_backward_is_judged_by_that_backward():
     """``x0.detach().add_(x0)`` doubles the input; plain Thunder moves the write into its backward, so the second step,
     which runs none, leaves ``x0`` as it was. Eager refuses the first step's backward (``x0`` is saved for ``w0``'s
     gradient) and so skips its SGD step: no verdict. Thunder's torch.compile executor fails on the transposed input
     (Inductor refuses that write into a view of an input). Plain Thunder given a backward at the second step doubles
     ``x0`` as cudagraphex does: excused."""
-    lines = [
-        Line("v0 = x0 @ self.w0.t()", "v0", frozenset({"x0", "self.w0"}), False, "matmul"),
+    write = [
         Line("v1 = x0.detach()", "v1", frozenset({"x0"}), False, "detach"),
         Line("v1.add_(x0)", None, frozenset({"v1", "x0"}), True, "write_input"),
     ]
-    program = _program(
-        module=True,
-        tensors=[
-            TensorSpec("x0", "BD", "x"),
-            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
-        ],
-        lines=lines,
-        outputs=["v0", "self.w0"],
-        steps=[Step("call", Mode(), loss="now"), Step("call", Mode(), layout="transposed")],
-        min_region_size=2,
-        whole_step=True,
-        optimizer="sgd",
-    )
+    program = _whole_step_writing_x0_saved_for_w0(write, ["v0", "self.w0"], layout="transposed")
     (failure,) = check(program).failures
     assert failure.step == 1 and failure.symptom == "input NAME after the call: values"
     assert "plain Thunder given a backward at that step writes the input as cudagraphex does" in failure.excused
@@ -746,23 +751,8 @@ def test_a_whole_step_output_that_is_an_input_plain_thunder_writes_only_in_its_b
     second step, which runs none, returns ``x0`` as it was. Eager refuses the first step's backward (``x0`` is saved
     for ``w0``'s gradient): no verdict. Plain Thunder given a backward at the second step returns ``x0`` written, as
     cudagraphex does: excused."""
-    lines = [
-        Line("v0 = x0 @ self.w0.t()", "v0", frozenset({"x0", "self.w0"}), False, "matmul"),
-        Line("x0[0].add_(1)", None, frozenset({"x0"}), True, "write_input"),
-    ]
-    program = _program(
-        module=True,
-        tensors=[
-            TensorSpec("x0", "BD", "x"),
-            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
-        ],
-        lines=lines,
-        outputs=["v0", "x0"],
-        steps=[Step("call", Mode(), loss="now"), Step("call", Mode())],
-        min_region_size=2,
-        whole_step=True,
-        optimizer="sgd",
-    )
+    write = [Line("x0[0].add_(1)", None, frozenset({"x0"}), True, "write_input")]
+    program = _whole_step_writing_x0_saved_for_w0(write, ["v0", "x0"], layout="contiguous")
     (failure,) = check(program).failures
     assert failure.step == 1 and failure.symptom == "outN: values"
     assert "plain Thunder given a backward at that step writes the input as cudagraphex does" in failure.excused
