@@ -17,6 +17,7 @@ from thunder.extend import FusionExecutor, OperatorExecutor, get_executor, regis
 from benchmarks.models import GPT, GPTConfig, mlp
 from cudagraphex import CUDAGraphExecutor, cudagraphex, explain, inspect
 from cudagraphex.planning.static_inputs import InputKind
+from tests.contract.scenarios import Keeps
 from tests.helpers import (
     assert_grads_close,
     conv_bn,
@@ -396,6 +397,24 @@ def test_call_that_fails_the_cxx_input_guard_replays_through_the_slow_path(backe
     assert region.slow_path_calls == slow_before + 1
     assert num_graphs(jf, backend.executor) == 1
     assert replays(jf, backend.executor) == 3
+
+
+@pytest.mark.cuda
+def test_a_region_that_launches_no_kernel_captures_without_a_warning():
+    """A region of a ``detach`` alone records an empty graph, which replays as it should. PyTorch warns at its capture
+    that an empty graph "usually means that the graph was attempted to be captured on wrong device or stream", which
+    would send the user looking for a fault that is not there."""
+    ex = Keeps("cudagraphex_keeps_add_out", "add", min_region_size=1)  # splits off a region of the detach
+    jf = jit(lambda x, k: ((x.square() + k).detach(),), ex)
+    k = torch.tensor(2.0, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            x = torch.randn(4, 2, device="cuda")
+            (got,) = jf(x, k)
+            torch.testing.assert_close(got, x.square() + 2)
+    assert [len(r.instances) for r in regions(jf, ex)] == [1, 1]
+    assert not [w for w in caught if "graph is empty" in str(w.message).lower()]
 
 
 def test_graphs_die_with_the_compiled_function(backend):
