@@ -15,7 +15,9 @@ write (both agree without that copy), values within a tolerance where cudagraphe
 Thunder, writes into outputs that Thunder's autograd function returns as views, refused as without a fusion
 executor, values that Thunder's fusion executor changes where cudagraphex, with it, computes what Thunder computes
 without it, and whole steps whose input write plain Thunder makes only in a backward that the step does not run,
-where it makes it as cudagraphex does once the step runs one.
+where it makes it as cudagraphex does once the step runs one, and calls that eager refuses whose input write plain
+Thunder makes only in its backward, where Thunder's torch.compile fusion executor makes it in the forward as
+cudagraphex does.
 """
 
 from __future__ import annotations
@@ -387,6 +389,32 @@ def test_a_write_into_a_view_of_a_leaf_that_requires_grad_is_excused_where_eager
     (failure,) = check(program).failures
     assert failure.symptom == "input NAME after the call: values"
     assert "made through .detach()" in failure.excused
+
+
+def test_an_input_write_that_plain_thunder_moves_into_its_backward_is_judged_by_a_fusion_executor():
+    """Eager refuses ``v0.mul_(2)`` into a view of the leaf ``x0``. Plain Thunder runs the write in its backward, so
+    ``x0`` is unwritten after the call (the backward starts only after the inputs are observed); it gives ``x0`` no
+    gradient, as cudagraphex does, so eager with the write made through ``.detach()``, which gives one, is no witness.
+    cudagraphex writes ``x0`` in the forward, as Thunder with its torch.compile fusion executor does: excused."""
+    lines = [
+        Line("v0 = x0.unsqueeze(0)[0]", "v0", frozenset({"x0"}), False, "view"),
+        Line("v1 = torch.where(v0 > 0, v0, v0)", "v1", frozenset({"v0"}), False, "binary"),
+        Line("v2 = v1 @ self.w0", "v2", frozenset({"v1", "self.w0"}), False, "matmul"),
+        Line("v0.mul_(2)", None, frozenset({"v0"}), True, "write_grad_leaf"),
+    ]
+    program = _program(
+        module=True,
+        tensors=[
+            TensorSpec("x0", "BD", "x", requires_grad=True),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+        ],
+        lines=lines,
+        outputs=["v2"],
+        steps=[Step("call", Mode(), layout="transposed", loss="now", form="direct")],
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 0 and failure.symptom == "input NAME after the call: values"
+    assert "Thunder with its torch.compile fusion executor writes the input in the forward" in failure.excused
 
 
 def test_a_write_through_contiguous_into_a_leaf_that_requires_grad_is_excused_where_eager_through_detach_agrees():

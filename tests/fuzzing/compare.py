@@ -54,6 +54,8 @@ def _label_kind(label: str) -> str:
     return label
 
 
+#: What an observation lacks where one world did not observe it.
+MISSING = object()
 _META_KEYS = ("shape", "dtype", "stride", "device", "requires_grad", "is_leaf")
 
 
@@ -147,6 +149,12 @@ def _short(v: Any) -> str:
 
 def value_mode(label: str, mode: str) -> str:
     return "exact" if label in ("identity", "shared memory") or "equals the previous" in label else mode
+
+
+def observed_alike(failure: Failure, a: Observations, b: Observations, mode: str, values_only: bool = False) -> bool:
+    """Whether two worlds observed what failed alike (:func:`compare_value` in ``mode``); False where one did not."""
+    x, y = dict(a.items).get(failure.label, MISSING), dict(b.items).get(failure.label, MISSING)
+    return x is not MISSING and y is not MISSING and compare_value(x, y, mode, values_only) is None
 
 
 def compare_step(program: Program, backend: BackendSpec, index: int, ref: Observations, got: Observations):

@@ -8,33 +8,33 @@ import re
 from typing import Any
 from unittest import mock
 
-import thunder
-from thunder.core.proxies import TensorProxy
-from thunder.core.pytree import tree_flatten
-
 from cudagraphex import CUDAGraphExecutor
 from tests.fuzzing.call_order import thunder_called_in_the_steps_order
-from tests.fuzzing.compare import Failure, abs_difference, compare_step, compare_value, normalise, run_alike, value_mode
+from tests.fuzzing.compare import (
+    MISSING,
+    Failure,
+    abs_difference,
+    compare_step,
+    compare_value,
+    normalise,
+    observed_alike,
+    value_mode,
+)
 from tests.fuzzing.fusion_executor import THUNDER_FUNCTION_VIEW, a_view_as_without_a_fusion_executor, fuser_departs
+from tests.fuzzing.moved_write import cotangents_of_an_unwritten_output, moved_write
 from tests.fuzzing.original_self import original_self_copied
 from tests.fuzzing.programs import Line, Program, Step
-from tests.fuzzing.world import BackendSpec, Observations, TensorSnapshot, World, compile_source, lockstep
-
-_MISSING = object()
+from tests.fuzzing.world import BackendSpec, TensorSnapshot, World, compile_source, lockstep
 
 
 def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> None:
     """Sets ``failure.excused`` where other runs of the program show that plain Thunder is the one that differs, or that
     the difference is Thunder's own choice made on other fusions. First by eager PyTorch run beside cudagraphex up to
     the failing step (:func:`_eager_verdict`); then by the verdicts below, each of which says what it needs:
-    :func:`_write_not_read`, :func:`_leaf_written_through_a_view`, :func:`_cotangents_of_an_unwritten_output`,
+    :func:`_write_not_read`, :func:`_leaf_written_through_a_view`, :func:`cotangents_of_an_unwritten_output`,
     :func:`_saved_by_rematerialization`, :func:`_closer_to_eager`, :func:`original_self_copied`,
-    :func:`a_view_as_without_a_fusion_executor`, :func:`fuser_departs`, :func:`thunder_called_in_the_steps_order`; for
-    an output that plain Thunder connects to autograd and cudagraphex does not, :func:`_a_fusion_executor_agrees` and
-    :func:`_thunders_backward_has_no_gradient`;
-    for a whole step's loss or input write that plain Thunder misses, :data:`_MISSED_BY_A_MOVED_WRITE` where Thunder
-    with its torch.compile fusion executor agrees with cudagraphex, or :func:`_written_by_thunders_backward` (also for
-    an output that is the written input)."""
+    :func:`a_view_as_without_a_fusion_executor`, :func:`fuser_departs`, :func:`thunder_called_in_the_steps_order`;
+    last, :func:`moved_write` (what plain Thunder moves into its backward)."""
     program = failure.program
     if failure.symptom.startswith("raises only without cudagraphex") and THUNDER_FUNCTION_VIEW in failure.symptom:
         failure.excused = (
@@ -48,7 +48,7 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
         _eager_verdict(failure, backend, ex)
         or _write_not_read(failure, backend, ex)
         or _leaf_written_through_a_view(failure, backend, ex)
-        or _cotangents_of_an_unwritten_output(failure, backend, ex)
+        or cotangents_of_an_unwritten_output(failure, backend, ex)
         or _saved_by_rematerialization(failure, backend, ex)
         or _closer_to_eager(failure, backend, ex)
         or original_self_copied(failure, backend, ex)
@@ -56,35 +56,8 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
         or fuser_departs(failure, backend, ex)
         or thunder_called_in_the_steps_order(failure, backend, ex)
     )
-    if not failure.excused and _connected_only_by_thunder(failure):
-        no_gradient = (
-            "Thunder's grad transform finds no gradient, so Thunder connects outputs to autograd only where its"
-            " backward trace is not empty: without a fusion executor an in-place write no forward output needs is"
-            " moved into that backward"
-        )
-        if _a_fusion_executor_agrees(failure, backend, ex):
-            failure.excused = (
-                f"{no_gradient}; Thunder with its torch.compile fusion executor does not connect it either"
-            )
-        elif _thunders_backward_has_no_gradient(failure, backend):
-            failure.excused = f"{no_gradient}; plain Thunder's backward trace for this call returns no gradient"
-    # What a whole step misses where plain Thunder moved an in-place write of its forward into its backward.
-    missed = _MISSED_BY_A_MOVED_WRITE.get("loss" if failure.label == "loss" else failure.symptom)
-    if not failure.excused and program.whole_step:
-        if missed and _a_fusion_executor_agrees(failure, backend, ex, mode="close"):
-            failure.excused = missed
-        elif _written_by_thunders_backward(failure, backend, ex):
-            failure.excused = _WRITTEN_BY_THUNDERS_BACKWARD
-
-
-_MISSED_BY_A_MOVED_WRITE = {
-    "loss": "a whole step's loss sums the outputs that require grad, which Thunder marks as a whole, unlike eager;"
-    " plain Thunder moves an in-place write of the forward into its backward, so the loss misses it, and Thunder with"
-    " its torch.compile fusion executor computes the loss cudagraphex does",
-    "input NAME after the call: values": "plain Thunder moves an in-place write of the forward into its backward, so"
-    " a whole step that runs none misses it; eager gives no verdict, and Thunder with its torch.compile fusion"
-    " executor writes the input as cudagraphex does",
-}
+    if not failure.excused:
+        failure.excused = moved_write(failure, backend, ex)
 
 
 def _eager_verdict(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
@@ -121,7 +94,7 @@ def _eager_verdict(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor
             # a difference within a tolerance is Thunder's only where eager and cudagraphex agree to the last bit
             mode = "meta" if program.random else "exact" if failure.nearly_equal else "close"
             values_only = failure.symptom.endswith(("values", "values (within a tolerance)"))
-            same = _observed_alike(failure, e, c, value_mode(failure.label, mode), values_only)
+            same = observed_alike(failure, e, c, value_mode(failure.label, mode), values_only)
         if same:
             return "plain Thunder differs from eager here, and cudagraphex agrees with eager" + (
                 " (eager refused an earlier backward, which read a tensor saved for it and written in place)"
@@ -239,50 +212,12 @@ def _leaf_written_through_a_view(failure: Failure, backend: BackendSpec, ex: CUD
         if not program.random and compare_step(program, backend, index, d, c):
             return ""
     # eager draws other numbers than Thunder: in a random program, the failing observation alone, which must agree
-    if program.random and not _observed_alike(failure, d, c, value_mode(failure.label, "close")):
+    if program.random and not observed_alike(failure, d, c, value_mode(failure.label, "close")):
         return ""
     return (
         "eager refuses an in-place write into a view of a leaf that requires grad; Thunder checks the write's target,"
         " a view, so neither Thunder path refuses it: cudagraphex computes what eager computes with the write made"
         " through .detach(), plain Thunder drops the write"
-    )
-
-
-def _cotangents_of_an_unwritten_output(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
-    """Why a whole step differs, where plain Thunder moves an in-place write of the forward into its backward; empty
-    for no verdict.
-
-    A whole step makes each cotangent from its output (its cosine) between the forward and the backward; without a
-    fusion executor, plain Thunder returns the output before the write and makes it in the backward, so its
-    cotangents, gradients and optimizer step differ. The verdict needs the failing step's forward alone to give what
-    eager gives with cudagraphex and something else with plain Thunder, and both Thunder paths to agree up to the
-    failing step with cotangents of ones.
-    """
-    program = failure.program
-    steps = program.steps[: failure.step + 1]
-    if not program.whole_step or failure.label == "exception" or steps[-1].action != "call" or steps[-1].loss == "none":
-        return ""
-    forward_only = [*steps[:-1], dataclasses.replace(steps[-1], loss="none")]
-    ones = dataclasses.replace(program, cotangents="ones")
-    try:
-        tags = {"eager": "eager", None: "plain Thunder", ex: "cudagraphex"}
-        worlds = [World(program, backend, w, compile_source(program, tag)) for w, tag in tags.items()]
-        thunder_ones = World(ones, backend, None, compile_source(ones, "plain Thunder, cotangents of ones"))
-        cgx_ones = World(ones, backend, ex, compile_source(ones, "cudagraphex, cotangents of ones"))
-    except Exception:  # noqa: BLE001 - no verdict
-        return ""
-    for index, observed in lockstep(program, worlds, forward_only, seeded=not program.threads):
-        if any(o.raised is not None for o in observed):
-            return ""
-    eager, plain, cgx = (_outputs(o) for o in observed)
-    if compare_step(program, backend, index, eager, cgx) or not compare_step(program, backend, index, plain, cgx):
-        return ""
-    if not run_alike(program, backend, (thunder_ones, cgx_ones), steps, seeded=not program.threads):
-        return ""
-    return (
-        "plain Thunder moves an in-place write of the forward into its backward, so a whole step makes its cotangents"
-        " from outputs that miss it, where eager and cudagraphex have it; with cotangents of ones both Thunder paths"
-        " agree"
     )
 
 
@@ -302,8 +237,8 @@ def _closer_to_eager(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecut
     for _, observed in lockstep(program, worlds, steps, seeded=not program.threads):
         if any(o.raised is not None for o in observed):
             return ""
-    eager, plain, cgx = (dict(o.items).get(failure.label, _MISSING) for o in observed)
-    if _MISSING in (eager, plain, cgx) or compare_value(eager, cgx, "close", values_only=True) is not None:
+    eager, plain, cgx = (dict(o.items).get(failure.label, MISSING) for o in observed)
+    if MISSING in (eager, plain, cgx) or compare_value(eager, cgx, "close", values_only=True) is not None:
         return ""
     if _largest_difference(cgx, eager) > _largest_difference(plain, eager):
         return ""
@@ -358,13 +293,6 @@ def _saved_by_rematerialization(failure: Failure, backend: BackendSpec, ex: CUDA
     )
 
 
-def _outputs(observed: Observations) -> Observations:
-    """The outputs among ``observed``."""
-    outputs = Observations()
-    outputs.items = [(label, value) for label, value in observed.items if label.startswith("out")]
-    return outputs
-
-
 def _may_write_a_grad_leaf(program: Program, line: Line) -> bool:
     """Whether ``line`` writes in place into an input that requires grad, or into a chain of views of one."""
     if line.category == "write_grad_leaf":
@@ -376,112 +304,6 @@ def _may_write_a_grad_leaf(program: Program, line: Line) -> bool:
     while name in definitions and definitions[name].category == "view" and len(definitions[name].uses) == 1:
         (name,) = definitions[name].uses
     return any(t.name == name and t.requires_grad for t in program.inputs)
-
-
-def _a_fusion_executor_agrees(
-    failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor, mode: str = "meta"
-) -> bool:
-    """Whether Thunder with its torch.compile fusion executor in cudagraphex's place observes what cudagraphex does at
-    the failing step (``mode``: as ``compare_value`` compares).
-
-    Thunder 0.2.6 returns outputs that require grad only when ``split_into_forward_and_backward`` leaves a backward
-    trace: its grad transform produces no gradient under ``no_grad``, or where an in-place write may reach an input
-    through ``contiguous`` (``x.t().contiguous().t().relu_()``), yet without a fusion executor the split moves that
-    write into the backward, and the outputs require grad (a backward that computes nothing, or fails). A fusion
-    executor fuses the write with forward outputs, so it stays in the forward and no backward is left.
-    """
-    from thunder.executors.torch_compile import torch_compile_ex
-
-    steps = failure.program.steps[: failure.step + 1]
-    return _witness_agrees(failure, backend, ex, (torch_compile_ex, "torch.compile fusion"), steps, mode)
-
-
-def _witness_agrees(
-    failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor, witness: tuple[Any, str], steps: list, mode: str
-) -> bool:
-    """Whether Thunder with the executor of ``witness`` (executor, tag; None: plain Thunder), running ``steps``,
-    observes at the failing step what cudagraphex does running the program's steps; neither may raise before. Before
-    the failing step cudagraphex agreed with plain Thunder."""
-    program = failure.program
-    try:
-        other = World(program, backend, witness[0], compile_source(program, witness[1]))
-        cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
-    except Exception:  # noqa: BLE001 - no verdict
-        return False
-    # One world at a time: lockstep seeds each step alike whatever runs beside it.
-    runs = [(other, steps), (cgx, program.steps[: failure.step + 1])]
-    seen = [[o for _, (o,) in lockstep(program, (w,), s, seeded=not program.threads)] for w, s in runs]
-    if any(o.raised is not None for o in (*seen[0], *seen[1])):
-        return False
-    return _observed_alike(failure, seen[0][-1], seen[1][-1], mode)
-
-
-_WRITTEN_BY_THUNDERS_BACKWARD = (
-    "plain Thunder moves an in-place write of the forward into its backward, so a whole step that runs none misses it;"
-    " eager gives no verdict, and plain Thunder given a backward at that step writes the input as cudagraphex does"
-    " (and an output that is the input with it)"
-)
-
-
-def _written_by_thunders_backward(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> bool:
-    """Whether plain Thunder, given a backward at the failing step, writes the input as cudagraphex does without one:
-    the witness of a moved write where Thunder's torch.compile fusion executor gives none (Inductor refuses some
-    writes into views of inputs). Also for an output: the backward writes no output Thunder made, so only an output
-    that shares memory with the written input can come out as cudagraphex's by it."""
-    step = failure.program.steps[failure.step]
-    symptoms = ("input NAME after the call: values", "outN: values")
-    if failure.symptom not in symptoms or step.loss != "none" or not step.mode.grad:
-        return False
-    steps = [*failure.program.steps[: failure.step], dataclasses.replace(step, loss="now")]
-    return _witness_agrees(failure, backend, ex, (None, "reference, with a backward"), steps, "close")
-
-
-def _observed_alike(failure: Failure, a: Observations, b: Observations, mode: str, values_only: bool = False) -> bool:
-    """Whether two worlds observed what failed alike (:func:`compare_value` in ``mode``); False where one did not."""
-    x, y = dict(a.items).get(failure.label, _MISSING), dict(b.items).get(failure.label, _MISSING)
-    return x is not _MISSING and y is not _MISSING and compare_value(x, y, mode, values_only) is None
-
-
-#: How an output's metadata shows that plain Thunder connected it to autograd and cudagraphex did not.
-_CONNECTED_ONLY_BY_THUNDER = {
-    "requires_grad": "reference True, cudagraphex False",
-    "is_leaf": "reference False, cudagraphex True",  # a view of a leaf made under no_grad requires grad
-}
-
-
-def _connected_only_by_thunder(failure: Failure) -> bool:
-    return any(
-        failure.symptom.endswith(f": {key}") and detail in failure.detail
-        for key, detail in _CONNECTED_ONLY_BY_THUNDER.items()
-    )
-
-
-def _thunders_backward_has_no_gradient(failure: Failure, backend: BackendSpec) -> bool:
-    """Whether plain Thunder connected an output to autograd where cudagraphex did not, and plain Thunder compiled the
-    failing call with a backward trace that returns no gradient: the cause :func:`_a_fusion_executor_agrees` shows,
-    seen directly, for programs that Thunder's torch.compile fusion executor cannot compile. Plain Thunder may raise
-    at the failing step (running such a backward, it can fail an assertion), not before it."""
-    program = failure.program
-    if not _connected_only_by_thunder(failure):
-        return False
-    try:
-        ref = World(program, backend, None, compile_source(program, "reference"))
-    except Exception:  # noqa: BLE001 - no verdict
-        return False
-    misses = 0
-    for index, (r,) in lockstep(program, (ref,), program.steps[: failure.step + 1], seeded=not program.threads):
-        if r.raised is not None and index < failure.step:
-            return False
-        if index == failure.step:
-            traces = thunder.last_backward_traces(ref.fn)
-            compiled = thunder.cache_misses(ref.fn) > misses
-            return (
-                compiled
-                and bool(traces)
-                and not any(isinstance(o, TensorProxy) for o in tree_flatten(traces[-1].output)[0])
-            )
-        misses = thunder.cache_misses(ref.fn)
-    return False
 
 
 _SAVED_TENSOR_WRITTEN = "one of the variables needed for gradient computation has been modified by an inplace"
