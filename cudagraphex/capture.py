@@ -275,23 +275,23 @@ def _reset_generator(stream: torch.cuda.Stream, rng_state: torch.Tensor, device:
 class EmulatedGraph:
     """Replays a region on the CPU into the output tensors of its capture, as a CUDA graph writes its pool.
 
-    Like a CUDA graph it keeps no reference to static inputs: a replay reads them from the current call, whose static
-    inputs the runtime has checked to be at the captured addresses. Everything else (input buffers, host values) is
-    frozen at capture.
+    Like a CUDA graph it keeps no reference to static inputs: a replay reads the memory of the current call's static
+    inputs, which the runtime has checked to be at the captured addresses, with the dtype, shape and strides they had
+    at capture, as a graph's kernels do. Everything else (input buffers, host values) is frozen at capture.
     """
 
     def __init__(self, fn: Callable, args: Sequence[Any], static: Sequence[int], outputs: Sequence[torch.Tensor]):
         self._fn = fn
         self._frozen = [None if i in static else _freeze(a) for i, a in enumerate(args)]
-        self._static = tuple(static)
+        self._static = tuple((i, args[i].dtype, args[i].size(), args[i].stride()) for i in static)
         self._outputs = tuple(outputs)
         #: Anchors of other graphs whose memory a real replay of this graph may overwrite (``runtime.release``).
         self.overwrites: list = []
 
     def replay(self, args: Sequence[Any]) -> None:
         call_args = [_thaw(a) for a in self._frozen]
-        for i in self._static:
-            call_args[i] = args[i]
+        for i, dtype, size, stride in self._static:
+            call_args[i] = _as_captured(args[i], dtype, size, stride)
         results = self._fn(*call_args)
         if self.overwrites:  # after the reads, before the writes of the outputs, which may live in that memory
             from cudagraphex.runtime.release import poison
@@ -323,6 +323,18 @@ def _freeze(a: Any) -> Any:
 
 def _thaw(a: Any) -> Any:
     return a.base.as_strided(a.size, a.stride, a.offset) if isinstance(a, _FrozenView) else a
+
+
+def _as_captured(a: torch.Tensor, dtype: torch.dtype, size: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+    """The memory at ``a``'s address read as a tensor of the captured ``dtype``, ``size`` and ``stride``: ``a``
+    itself where they are ``a``'s; beyond ``a``'s storage, an error (a real graph would read memory it does not own)."""
+    if a.dtype == dtype and a.size() == size and a.stride() == stride:
+        return a
+    offset_bytes = a.storage_offset() * a.element_size()
+    if offset_bytes % dtype.itemsize:
+        raise RuntimeError(f"a static input's address is not aligned for the captured {dtype}")
+    view = torch.empty(0, dtype=dtype, device=a.device)
+    return view.set_(a.untyped_storage(), offset_bytes // dtype.itemsize, size, stride)
 
 
 class EmulatedBackend:

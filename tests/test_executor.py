@@ -682,3 +682,29 @@ def test_an_in_place_write_inside_another_executors_fusion_is_applied_once_per_c
             assert x[0].eq(1).all() and x[1].eq(0).all()
     assert replays(jm, backend.executor) >= 2
     assert "TorchCompile" in str(thunder.last_traces(jm)[-1])
+
+
+class _TiedLayers(torch.nn.Module):
+    """Two layers that share one weight: the region gets that parameter at two positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8, bias=False)
+        self.second = torch.nn.Linear(8, 8, bias=False)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x).relu()).sin()
+
+
+def test_a_tensor_at_two_static_positions_replays_on_the_fast_path(backend):
+    # The C++ guard takes each tensor once: it refuses one tensor at two of its positions.
+    model = _TiedLayers().to(backend.device)
+    jm = jit(model, backend.executor)
+    x = torch.randn(4, 8, device=backend.device)
+    with torch.no_grad():
+        for _ in range(6):
+            torch.testing.assert_close(jm(x), model(x))
+    (region,) = inspect(jm).regions()
+    assert num_graphs(jm, backend.executor) == 1 and replays(jm, backend.executor) == 5
+    assert region.slow_path_calls == 2  # the warm-up and the capture

@@ -130,6 +130,32 @@ def test_fuzz_bucketed_cuda():
         pytest.fail(_report(result), pytrace=False)
 
 
+@pytest.mark.cuda
+def test_a_saved_tensor_of_an_eager_forward_in_recycled_memory_with_other_strides_is_not_replayed_over():
+    """The backward region reads the forward's mask ``x0 > 0`` as a static input. Its graph is captured on the first
+    call's second backward; the second call, on a transposed ``x0``, runs the forward eagerly (a new signature), and
+    the caching allocator puts its mask, transposed, where the first call's was. Replaying the graph there read the
+    new mask in the old layout (wrong gradients of ``x0``)."""
+    program = _program(
+        module=True,
+        width=6,
+        batches=(2, 4),
+        min_region_size=2,
+        tensors=[
+            TensorSpec("x0", "BD", "x", requires_grad=True),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+        ],
+        lines=[Line("v1 = torch.relu(x0)", "v1", frozenset({"x0"}), False, "unary")],
+        outputs=["v1", "self.w0.t()"],
+        steps=[
+            Step("call", Mode(), loss="retain"),
+            Step("call", Mode(), layout="transposed", fresh=False, keep="hold", loss="now"),
+        ],
+    )
+    outcome = check(program, "cuda")
+    assert not outcome.failures, [f.report() for f in outcome.failures]
+
+
 def test_requires_grad_that_thunder_loses_with_any_fusion_executor_is_excused():
     """Thunder's grad transform finds no gradient through the in-place write into ``x0.t().contiguous().t()``; plain
     Thunder's output requires grad only because Thunder moves that write into its backward. With its torch.compile

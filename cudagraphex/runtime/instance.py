@@ -4,9 +4,9 @@ Invariants
 ==========
 
 Guards
-    An instance is replayed only for calls whose copied inputs and caller's tensors read in place have the dtype,
-    shape, strides, device, ``requires_grad`` and dispatch keys they had at capture (one C++ ``TensorGuards`` call),
-    whose host values equal the captured ones, and whose static inputs (and tensors read in place) are at the captured
+    An instance is replayed only for calls whose tensor inputs (copied, read in place, static) have the dtype, shape,
+    strides, device, ``requires_grad`` and dispatch keys they had at capture (one C++ ``TensorGuards`` call), whose
+    host values equal the captured ones, and whose static inputs (and tensors read in place) are at the captured
     addresses (one C++ compare). A call that fails them goes to the region's slow path.
 
 Replay
@@ -86,12 +86,20 @@ class Instance:
         copied = [i for i in range(n) if kinds[i].is_copied and i not in read_in_place]
         self.values = [(i, args[i]) for i in range(n) if kinds[i] is InputKind.HOST_VALUE]
         self.copied_inputs = [CopiedInput(i, args[i].shape, args[i].stride(), args[i].dtype) for i in copied]
-        # The layout of an input read in place is checked like a copied input's: nothing upstream checks strides.
-        guarded = copied + self.read_in_place
+        # Nothing upstream checks strides, and a static address may hold another tensor than at capture (a saved
+        # tensor of an eager forward, in recycled memory), so every tensor input's layout is checked: each tensor at
+        # its first position (``TensorGuards`` refuses one tensor at two, a tied weight say), the others by identity.
+        first: dict[int, int] = {}
+        for i in copied + self.static:
+            first.setdefault(id(args[i]), i)
+        guarded = list(first.values())
+        self.same_tensor = [(i, first[id(args[i])]) for i in copied + self.static if first[id(args[i])] != i]
         self.guard = layout_guard([args[i] for i in guarded])
         self.pick_guarded = picker(guarded)
         self.num_copied = len(copied)
         self.pick_copied = picker(copied)
+        #: Whether the guarded tensors start with the copied inputs, so that a fitting call's copied inputs are those.
+        self.copied_lead = guarded[: len(copied)] == copied
         region.backend.prepare(region.device)
         peak_before = region.backend.peak_allocated_bytes(region.device)
         graph_args = list(args)
@@ -162,18 +170,23 @@ class Instance:
         self.liveness = Liveness(self, self.handout)
 
     def fitting_copied_inputs(self, args: Sequence[Any]) -> tuple[torch.Tensor, ...] | None:
-        """The copied inputs of ``args`` if ``args`` have the layout of this instance's copied inputs and of those it
-        reads in place, its host values and its static addresses; None otherwise. Reads no protection switch: the slow
-        path, which a None sends the call to, does."""
+        """The copied inputs of ``args`` if ``args`` have the layout of this instance's tensor inputs, its host values
+        and its static addresses; None otherwise. Reads no protection switch: the slow path, which a None sends the
+        call to, does."""
         guarded = self.pick_guarded(args)
         if self.guard is not None and not self.guard.check(*guarded):
             return None
+        for i, j in self.same_tensor:
+            if args[i] is not args[j]:
+                return None
         for i, value in self.values:
             if args[i] != value:
                 return None
         if self.static and not addresses_equal(list(args), self.static_ptrs, self.static):
             return None
-        return guarded[: self.num_copied]  # the copied inputs come first (the whole tuple itself when all are copied)
+        if self.copied_lead:  # the whole tuple itself when all are copied
+            return guarded[: self.num_copied]
+        return self.pick_copied(args)
 
     def statics_match(self, args: Sequence[torch.Tensor]) -> bool:
         if not self.static or not PROTECTIONS["static_address_guard"]:

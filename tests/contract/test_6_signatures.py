@@ -8,7 +8,7 @@ import torch
 
 from benchmarks.models import mlp
 from cudagraphex import CUDAGraphExecutor
-from tests.helpers import emulated, jit, num_graphs, protection_off
+from tests.helpers import BACKENDS, emulated, jit, num_graphs, protection_off
 
 
 def test_variable_batch_size_and_going_back(backend):
@@ -46,6 +46,45 @@ def test_signature_protection_bites():
     with protection_off("signature_guard"):
         _, results = strided_calls(emulated)
     assert not all(results)
+
+
+class _Square(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 6), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w).sin()
+
+
+def transposed_parameter_calls(backend) -> tuple[object, list[bool]]:
+    """Three calls, then the parameter's data replaced by its transpose (the same address, other strides, the shape
+    Thunder's prologue checks), then three more: whether each result is eager's."""
+    model = _Square().to(backend.device)
+    jm = jit(model, backend.executor)
+    x = torch.randn(4, 6, device=backend.device)
+    results = []
+    with torch.no_grad():
+        for transpose in (False, True):
+            if transpose:
+                address = model.w.data_ptr()
+                model.w.data = model.w.data.t()
+                assert model.w.data_ptr() == address
+            for _ in range(3):
+                results.append(torch.allclose(jm(x), model(x)))
+    return jm, results
+
+
+def test_a_static_input_with_new_strides_at_its_address_gets_its_own_graph(backend):
+    jm, results = transposed_parameter_calls(backend)
+    assert all(results)
+    assert num_graphs(jm, backend.executor) == 2
+
+
+def test_signature_protection_bites_for_a_static_input():
+    with protection_off("signature_guard"):
+        _, results = transposed_parameter_calls(BACKENDS["emulate"])
+    assert results[:3] == [True] * 3 and not all(results[3:])
 
 
 def test_graph_budget_warns_once_and_runs_eagerly(backend):
