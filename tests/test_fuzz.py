@@ -812,6 +812,40 @@ def test_a_whole_step_output_that_is_an_input_plain_thunder_writes_only_in_its_b
     assert "plain Thunder given a backward at that step writes the input as cudagraphex does" in failure.excused
 
 
+def test_values_in_a_dtype_that_thunders_cache_gives_both_thunder_paths_are_judged_by_eager_in_that_dtype():
+    """A no-grad step after one under autocast: Thunder's cache hands both Thunder paths the autocast entry, so both
+    return bfloat16 where eager returns float32; plain Thunder's entry is also the grad one, which moves the write
+    ``v0[:, 0].mul_(2)`` into its backward, so its output misses it. cudagraphex's values are eager's, rounded to
+    bfloat16: excused by eager, whose values are compared in the dtype the Thunder paths share."""
+    lines = [
+        Line(
+            "v0 = F.scaled_dot_product_attention(x0[None], x0[None], x0[None], is_causal=True)[0]",
+            "v0",
+            frozenset({"x0"}),
+            False,
+            "sdpa",
+        ),
+        Line("v0[:, 0].mul_(2)", None, frozenset({"v0"}), True, "inplace_intermediate"),
+        Line("v1 = F.embedding(t0, self.e0)", "v1", frozenset({"t0", "self.e0"}), False, "embedding"),
+    ]
+    program = _program(
+        module=True,
+        batches=(3,),
+        tensors=[
+            TensorSpec("x0", "BD", "x"),
+            TensorSpec("t0", "T", "tokens"),
+            TensorSpec("e0", "VD", "param", requires_grad=True, init="torch.randn(vocab, d)"),
+        ],
+        lines=lines,
+        outputs=["v1", "v0"],
+        steps=[Step("call", Mode(autocast=True), loss="now", form="direct"), Step("call", Mode(grad=False))],
+        whole_step=True,
+    )
+    (failure,) = check(program).failures
+    assert failure.step == 1 and failure.symptom == "outN: values"
+    assert failure.excused.startswith("plain Thunder differs from eager here, and cudagraphex agrees with eager")
+
+
 def test_a_dtype_that_thunders_cache_gives_by_the_order_of_calls_is_excused_where_thunder_in_that_order_agrees():
     """A bucketed step pads the first call into its graph, so Thunder's function first sees a call of that size under
     autocast. The last call runs as is (its ``direct`` flag misses the graph's guards), without autocast: Thunder

@@ -61,7 +61,9 @@ _META_KEYS = ("shape", "dtype", "stride", "device", "requires_grad", "is_leaf")
 
 def compare_value(a: Any, b: Any, mode: str, values_only: bool = False) -> str | None:
     """None when ``a`` (reference) and ``b`` (cudagraphex) agree; mode is exact, close, stats or meta. With
-    ``values_only`` a tensor's metadata is not compared."""
+    ``values_only`` a tensor's metadata is not compared, except its shape; floating values of two dtypes are compared
+    in the less precise one (Thunder's cache may hand both Thunder paths an autocast entry's dtype, which eager,
+    the witness, does not share)."""
     if isinstance(a, TensorSnapshot) != isinstance(b, TensorSnapshot):
         return f"reference {_short(a)}, cudagraphex {_short(b)}"
     if not isinstance(a, TensorSnapshot):
@@ -76,10 +78,15 @@ def compare_value(a: Any, b: Any, mode: str, values_only: bool = False) -> str |
                 return None
             return f"reference {a}, cudagraphex {b}"
         return None if a == b else f"reference {a!r}, cudagraphex {b!r}"
-    for key in () if values_only else _META_KEYS:
+    for key in ("shape",) if values_only else _META_KEYS:
         if a.meta[key] != b.meta[key]:
             return f"{key}: reference {a.meta[key]}, cudagraphex {b.meta[key]}"
     x, y = a.value, b.value
+    if x.dtype != y.dtype:  # values_only: the metadata check above catches it otherwise
+        if not (x.is_floating_point() and y.is_floating_point()):
+            return f"dtype: reference {x.dtype}, cudagraphex {y.dtype}"
+        common = max(x.dtype, y.dtype, key=lambda dtype: torch.finfo(dtype).eps)
+        x, y = x.to(common), y.to(common)
     if mode == "meta":
         return None
     if mode == "exact":
