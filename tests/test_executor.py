@@ -708,3 +708,17 @@ def test_a_tensor_at_two_static_positions_replays_on_the_fast_path(backend):
     (region,) = inspect(jm).regions()
     assert num_graphs(jm, backend.executor) == 1 and replays(jm, backend.executor) == 5
     assert region.slow_path_calls == 2  # the warm-up and the capture
+
+
+def test_one_copied_tensor_at_two_positions_replays_on_the_fast_path(backend):
+    def f(a, b):
+        return (a * 2 + b).sin()
+
+    jf = jit(f, backend.executor)
+    xs = [torch.randn(8, device=backend.device) for _ in range(5)]  # kept alive: each call's x is elsewhere, copied
+    with torch.no_grad():
+        for x in xs:
+            torch.testing.assert_close(jf(x, x), f(x, x))
+    (region,) = inspect(jf).regions()
+    assert num_graphs(jf, backend.executor) == 1 and replays(jf, backend.executor) == 4
+    assert region.slow_path_calls == 2  # the warm-up and the capture
