@@ -40,6 +40,13 @@ WHOLE_STEP_PROGRAMS = 150
 BUCKETED_PROGRAMS = 120
 
 
+#: An input that requires grad and a parameter, the tensors of several hand-written module programs below.
+_X0_AND_W0 = (
+    TensorSpec("x0", "BD", "x", requires_grad=True),
+    TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+)
+
+
 def _program(**fields) -> Program:
     """A hand-written :class:`Program`: seed 0, a function (not a module), width 4, one batch of 2, cudagraphex first,
     regions of one symbol, unless ``fields`` say otherwise."""
@@ -141,10 +148,7 @@ def test_a_saved_tensor_of_an_eager_forward_in_recycled_memory_with_other_stride
         width=6,
         batches=(2, 4),
         min_region_size=2,
-        tensors=[
-            TensorSpec("x0", "BD", "x", requires_grad=True),
-            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
-        ],
+        tensors=list(_X0_AND_W0),
         lines=[Line("v1 = torch.relu(x0)", "v1", frozenset({"x0"}), False, "unary")],
         outputs=["v1", "self.w0.t()"],
         steps=[
@@ -242,10 +246,7 @@ def test_a_view_of_a_parameter_that_only_an_empty_thunder_backward_connects_is_e
     ]
     program = _program(
         module=True,
-        tensors=[
-            TensorSpec("x0", "BD", "x", requires_grad=True),
-            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
-        ],
+        tensors=list(_X0_AND_W0),
         lines=lines,
         outputs=["self.w0[0]"],
         steps=[Step("call", Mode())],
@@ -404,10 +405,7 @@ def test_a_write_into_a_view_of_a_leaf_that_requires_grad_is_excused_where_eager
     ]
     program = _program(
         module=True,
-        tensors=[
-            TensorSpec("x0", "BD", "x", requires_grad=True),
-            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
-        ],
+        tensors=list(_X0_AND_W0),
         lines=lines,
         outputs=["v2"],
         steps=[Step("call", Mode(), layout="transposed")],
@@ -430,10 +428,7 @@ def test_an_input_write_that_plain_thunder_moves_into_its_backward_is_judged_by_
     ]
     program = _program(
         module=True,
-        tensors=[
-            TensorSpec("x0", "BD", "x", requires_grad=True),
-            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
-        ],
+        tensors=list(_X0_AND_W0),
         lines=lines,
         outputs=["v2"],
         steps=[Step("call", Mode(), layout="transposed", loss="now", form="direct")],
