@@ -17,7 +17,7 @@ from thunder.core.pytree import tree_flatten
 
 from cudagraphex import CUDAGraphExecutor
 from tests.fuzzing.compare import Failure, compare_step, observed_alike, run_alike
-from tests.fuzzing.world import BackendSpec, Observations, World, compile_source, lockstep
+from tests.fuzzing.world import BackendSpec, Observations, World, compile_source, lockstep, raised_first_at_the_last
 
 _INPUT_WRITTEN = "input NAME after the call: values"
 _NO_GRADIENT = (
@@ -180,10 +180,7 @@ def _written_after_the_call(failure: Failure, backend: BackendSpec, ex: CUDAGrap
         eager = World(program, backend, "eager", compile_source(program, "eager"))
     except Exception:  # noqa: BLE001 - no verdict
         return False
-    for index, (e,) in lockstep(program, (eager,), program.steps[: failure.step + 1], seeded=not program.threads):
-        if e.raised is not None and index < failure.step:
-            return False
-    if e.raised is None:
+    if raised_first_at_the_last(program, eager, program.steps[: failure.step + 1]) is None:
         return False
     return a_fusion_executor_agrees(failure, backend, ex, mode="close")
 

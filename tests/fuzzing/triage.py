@@ -24,7 +24,7 @@ from tests.fuzzing.fusion_executor import THUNDER_FUNCTION_VIEW, a_view_as_witho
 from tests.fuzzing.moved_write import cotangents_of_an_unwritten_output, moved_write
 from tests.fuzzing.original_self import original_self_copied
 from tests.fuzzing.programs import Line, Program, Step
-from tests.fuzzing.world import BackendSpec, TensorSnapshot, World, compile_source, lockstep
+from tests.fuzzing.world import BackendSpec, TensorSnapshot, World, compile_source, lockstep, raised_first_at_the_last
 
 
 def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> None:
@@ -199,12 +199,8 @@ def _leaf_written_through_a_view(failure: Failure, backend: BackendSpec, ex: CUD
         cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
     except Exception:  # noqa: BLE001 - no verdict
         return ""
-    refused = None
-    for index, (e,) in lockstep(program, (eager,), steps, seeded=not program.threads):
-        if e.raised is not None:
-            refused = index if _LEAF_WRITTEN in str(e.raised) else None
-            break
-    if refused != failure.step:
+    refused = raised_first_at_the_last(program, eager, steps)
+    if refused is None or _LEAF_WRITTEN not in str(refused):
         return ""
     for index, (d, c) in lockstep(program, (detached, cgx), steps, seeded=not program.threads):
         if d.raised is not None or c.raised is not None:

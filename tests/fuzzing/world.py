@@ -437,3 +437,12 @@ def lockstep(program: Program, worlds: Sequence[World], steps: Sequence[Step], s
                 torch.manual_seed(derived_seed(program.seed, "step", index))
             results.append(world.run(step, index))
         yield index, results
+
+
+def raised_first_at_the_last(program: Program, world: World, steps: Sequence[Step]) -> BaseException | None:
+    """What ``world`` raises at the last of ``steps``, where it raised at none before; None where it raises nowhere,
+    or earlier."""
+    for index, (observed,) in lockstep(program, (world,), steps, seeded=not program.threads):
+        if observed.raised is not None:
+            return observed.raised if index == len(steps) - 1 else None
+    return None
