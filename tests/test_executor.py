@@ -654,6 +654,36 @@ def test_a_write_left_out_of_graphs_in_a_joint_trace_is_never_lost(backend):
             torch.testing.assert_close(out, f(x))
 
 
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["inference", "joint"])
+@pytest.mark.parametrize("fuser", ["torchcompile_xentropy", "torchcompile"])
+def test_writes_whose_results_nothing_reads_stay_out_of_graphs_beside_a_fusion_executor(backend, fuser, requires_grad):
+    # z is written and never read again, so a graph of its two lines would return nothing. Thunder's
+    # rematerialization, which every fusion pass runs (that of the default torchcompile_xentropy too), refuses a fusion
+    # without outputs that reads another fusion's ("The consumer has no outputs").
+    def f(x):
+        y = x.exp()
+        out = y * y.sum().item()
+        z = y.exp()
+        z.add_(1)
+        return out
+
+    fusion_executor = get_executor(fuser)
+    others = [ex for ex in thunder.get_default_executors() if ex is not fusion_executor]
+    jf = thunder.jit(f, executors=[backend.executor, fusion_executor, *others])
+    for _ in range(3):
+        x = torch.randn(4, 4, device=backend.device, requires_grad=requires_grad)
+        x_ref = x.detach().clone().requires_grad_(requires_grad)
+        out, expected = jf(x), f(x_ref)
+        torch.testing.assert_close(out, expected)
+        if requires_grad:
+            out.sum().backward()
+            expected.sum().backward()
+            torch.testing.assert_close(x.grad, x_ref.grad)
+    reasons = [b.reason for trace in explain(jf).traces for b in trace.breaks]
+    assert any("results nothing reads" in reason for reason in reasons), reasons
+    assert replays(jf, backend.executor) >= 1
+
+
 class HalvedWeight(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -5,7 +5,9 @@ backward). Runs keep the trace's order, so capturing never reorders side effects
 never enter a graph but do not split a run: they move behind the graph. Every other symbol left out records a
 :class:`Break` with its reason and the user's source line. A symbol that takes a tensor only for its metadata
 (``expand_as(t, x)``) enters a region as its decomposition where the region's lowering would decompose it, so that the
-graph does not take that tensor (Thunder would save it for backward).
+graph does not take that tensor (Thunder would save it for backward). A run whose results nothing reads (it only writes
+tensors nothing reads later) is left out as well: Thunder's rematerialization, which every fusion pass after cudagraphex
+runs, refuses a fusion without outputs that reads another fusion's ("The consumer has no outputs").
 
 Two hazards can only be seen once runs exist, so forming regions iterates until none is left:
 
@@ -297,12 +299,14 @@ class _Planner:
         ops = [(i, b) for i, b in run if b.sym.id not in TRANSPARENT]
         size = count_ops(b for _, b in ops)
         if size < self.min_size:
-            sequence.extend(b for _, b in run)
-            for _, b in ops:
-                reason = f"would form a graph of {size} op(s), fewer than min_region_size={self.min_size}"
-                breaks.append(Break(b.sym.name, reason, source_line(b)))
+            reason = f"would form a graph of {size} op(s), fewer than min_region_size={self.min_size}"
+            self._leave_out(run, ops, reason, sequence, breaks)
             return
         spec = self._spec(ops)
+        if not spec.outputs:
+            reason = "would form a graph whose results nothing reads (it writes tensors nothing reads later)"
+            self._leave_out(run, ops, reason, sequence, breaks)
+            return
         sequence.append(spec)
         produced_inside = {p.name for _, b in ops for p in b.flat_proxy_outs}
         for _, b in run:
@@ -310,6 +314,17 @@ class _Planner:
                 kept = [p for p in b.flat_proxy_args if p.name not in produced_inside]
                 if kept and b.sym.id == prims.PrimIDs.DEL:
                     sequence.append(prims.python_del.bind(*kept, output=None))
+
+    @staticmethod
+    def _leave_out(
+        run: list[tuple[int, BoundSymbol]],
+        ops: list[tuple[int, BoundSymbol]],
+        reason: str,
+        sequence: list,
+        breaks: list[Break],
+    ) -> None:
+        sequence.extend(b for _, b in run)
+        breaks.extend(Break(b.sym.name, reason, source_line(b)) for _, b in ops)
 
     def _spec(self, ops: list[tuple[int, BoundSymbol]]) -> RegionSpec:
         last = ops[-1][0]
