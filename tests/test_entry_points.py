@@ -522,4 +522,9 @@ def test_the_readmes_cpu_example_runs_as_written(capsys):
     snippet = after.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(snippet, "README.md", "exec"), {})  # noqa: S102 - the README's own code
     report = capsys.readouterr().out
-    assert re.search(r"1 graph\(s\), [1-9]\d* replay\(s\)", report), report
+    # Warm-up, capture, replay: the two calls after warm-up replay. Whether a batch lands where the last one was is the
+    # heap's choice; a tensor read in place that moves is demoted to a copied input and gets one more graph (DESIGN).
+    region = re.search(r"CUDAGraph\d+ \[backward, cpu\]: \d+ ops, (\d+) graph\(s\), 2 replay\(s\)", report)
+    assert region, report
+    demoted = "demoted to copied inputs (their address changed)" in report
+    assert region[1] == "1" or (region[1] == "2" and demoted), report
