@@ -143,7 +143,12 @@ def abs_difference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _diff(x: torch.Tensor, y: torch.Tensor) -> str:
     try:
         d = abs_difference(x, y)
-        return f"max abs diff {float(d.max()):.3g} at flat index {int(d.argmax())} of {x.numel()}"
+        at = int(d.argmax())
+        ref, got = float(x.flatten()[at]), float(y.flatten()[at])
+        return (
+            f"max abs diff {float(d.max()):.3g} at flat index {at} of {x.numel()}"
+            f" (reference {ref:.6g}, cudagraphex {got:.6g}; largest reference magnitude {float(x.abs().max()):.3g})"
+        )
     except Exception:  # noqa: BLE001 - a description only
         return "(not comparable)"
 
