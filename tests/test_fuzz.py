@@ -495,6 +495,31 @@ def test_a_whole_step_whose_cotangents_plain_thunder_makes_before_a_forward_writ
     assert "cotangents of ones both Thunder paths agree" in failure.excused
 
 
+def test_a_whole_step_whose_loss_sums_an_output_plain_thunder_writes_only_in_its_backward_is_excused():
+    """As above, with the loss summed from the outputs, one of them the parameter: the loss reads ``v0`` as each Thunder
+    path returns it, so it differs with cotangents of ones too; the parameter the step returns after SGD differs
+    first, and with cotangents of ones both Thunder paths agree on all but the loss: excused."""
+    lines = [
+        Line("v0 = x0 @ self.w0", "v0", frozenset({"x0", "self.w0"}), False, "matmul"),
+        Line("v0[:, 0].mul_(2)", None, frozenset({"v0"}), True, "inplace_intermediate"),
+    ]
+    program = _program(
+        module=True,
+        tensors=[
+            TensorSpec("x0", "BD", "x"),
+            TensorSpec("w0", "DD", "param", requires_grad=True, init="torch.randn(d, d) / d**0.5"),
+        ],
+        lines=lines,
+        outputs=["v0", "self.w0"],
+        steps=[Step("call", Mode(), loss="now", form="sum")],
+        whole_step=True,
+        optimizer="momentum",
+    )
+    (failure,) = check(program).failures
+    assert failure.label == "out1" and failure.symptom == "outN: values"
+    assert "cotangents of ones both Thunder paths agree" in failure.excused
+
+
 def test_a_write_into_a_view_of_a_leaf_in_a_random_program_is_judged_on_what_failed():
     """As above, in a program that draws a dropout mask, which eager draws differently from Thunder: the write made
     through ``.detach()`` gives eager's ``x0`` what cudagraphex gives it (``reshape(-1)`` of the strided ``x0`` is a
