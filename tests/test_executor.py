@@ -304,6 +304,30 @@ def test_output_that_views_a_detached_input_requires_grad_as_without_graphs(back
     assert replays(jf, backend.executor) >= 3
 
 
+def test_output_that_views_one_of_several_inputs_on_its_storage_is_rebuilt_on_the_one_it_views(backend):
+    # The host value splits x, x.detach() and a row of it into the next regions' inputs, all on x's storage: x and
+    # its reshape are handed out as x itself and a view of x that requires grad, as without graphs, never rebuilt on
+    # the detached alias.
+    def f(x):
+        v = x.detach()
+        v[0].add_(1)
+        h = v.mean().item()
+        return v * h, x.reshape(-1), x
+
+    ex = CUDAGraphExecutor(
+        f"cudagraphex_shared_storage_{backend.name}", backend=backend.executor.options.backend, min_region_size=1
+    )
+    jf = jit(f, ex)
+    x = torch.randn(4, 6, device=backend.device, requires_grad=True)
+    for _ in range(4):
+        with torch.no_grad():
+            expected = f(x.detach().clone().requires_grad_(True))
+            out, flat, same = jf(x)
+        assert same is x and flat._base is x and flat.requires_grad == expected[1].requires_grad
+        torch.testing.assert_close(out, expected[0])
+    assert replays(jf, ex) >= 3
+
+
 def test_output_that_views_an_input_whose_layout_no_buffer_keeps_runs_eagerly(backend):
     # An overlapping input (windows of one storage) is copied into a contiguous buffer, on which the view the graph
     # returns cannot be rebuilt on the caller's tensor: the capture fails with that reason, and calls stay correct.

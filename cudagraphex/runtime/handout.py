@@ -25,6 +25,8 @@ Outputs that alias an input
     the same alias of the caller's tensor, made as eager makes it (its version counter follows the input; its base and
     ``requires_grad`` too unless a ``detach`` lies between them), also where the graph read a copy of the input; a
     capture whose input buffer cannot keep the caller's layout fails rather than hand out an alias of the buffer.
+    Where several inputs share its storage (``x``, ``x.detach()``), it is rebuilt on the one it is, else on the one
+    whose view base it shares.
 
 One tensor at several positions
     One tensor returned at several positions (``shallow_copy`` lowers to the tensor itself) is handed out as one
@@ -63,7 +65,9 @@ class Handout:
         :class:`CaptureFailed` where a buffer's layout differs from the caller's tensor's, so that an output viewing
         that input cannot be rebuilt on the caller's tensor.
         """
-        sources = {t.untyped_storage().data_ptr(): i for i, t in read.items()}
+        sources: dict[int, list[int]] = {}
+        for i, t in read.items():
+            sources.setdefault(t.untyped_storage().data_ptr(), []).append(i)
         self.borrowed: list[tuple[int, tuple | None] | None] = []
         self.anchors: list[torch.Tensor | None] = []
         self.group_of: list[int] = []
@@ -83,8 +87,9 @@ class Handout:
                 self.group_of.append(-1)
                 continue
             storage = out.untyped_storage()
-            source = sources.get(storage.data_ptr())
-            if source is not None:
+            on_storage = sources.get(storage.data_ptr())
+            if on_storage is not None:
+                source = _closest_input(out, on_storage, read)
                 seen = read[source]
                 if out is seen:  # an in-place op returns its input itself, and so does the handed-out output
                     self.borrowed.append((source, None))
@@ -164,6 +169,19 @@ class Handout:
         for i, first in self.repeated:
             out[i] = out[first]
         return out
+
+
+def _closest_input(out: torch.Tensor, candidates: list[int], read: dict[int, torch.Tensor]) -> int:
+    """The input among ``candidates`` (inputs on ``out``'s storage: a tensor, its ``detach``, their views) that ``out``
+    is, else the one whose autograd view base ``out`` shares, else the first: an alias rebuilt on it is what eager
+    hands out (a view of a ``detach`` would lose ``requires_grad`` and the base)."""
+    for i in candidates:
+        if out is read[i]:
+            return i
+    for i in candidates:
+        if alias_kind(out, read[i]) == "view":
+            return i
+    return candidates[0]
 
 
 def alias_kind(out: torch.Tensor, seen: torch.Tensor) -> str:
