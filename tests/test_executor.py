@@ -592,6 +592,40 @@ def test_a_gradient_thunder_starts_from_zeros_is_computed_beside_a_fusion_execut
     _trains_as_eager_beside_a_fuser(f, backend)
 
 
+def test_a_fusion_reading_a_graph_that_reads_a_write_of_an_earlier_graph_never_recomputes_the_write(backend):
+    # Graph 1 returns v written in place; graph 2 (update_aliases alone, split off by the host read) reads it, and the
+    # product with the host value is left to Thunder's torch.compile executor. Thunder rematerializes graph 1 into
+    # graph 2 and then graph 2 into that fusion, which would recompute the write from a tensor graph 1 does not return.
+    from thunder.executors.torch_compile import torch_compile_ex
+
+    def f(x, w, p):
+        v = torch.nn.functional.linear(x, w, p)
+        v[:, 0].mul_(2)
+        h = v.mean().item()
+        out = v * h
+        return out, out[0]
+
+    ex = CUDAGraphExecutor(
+        f"cudagraphex_chained_recompute_{backend.name}", backend=backend.executor.options.backend, min_region_size=1
+    )
+    jf = thunder.jit(f, executors=[ex, torch_compile_ex, *thunder.get_default_executors()])
+    plain = thunder.jit(f)
+    w, p = torch.randn(6, 6, device=backend.device), torch.randn(6, device=backend.device)
+    for _ in range(4):
+        x = torch.randn(2, 6, device=backend.device)
+        results = []
+        for fn in (jf, plain):
+            args = [t.clone().requires_grad_() for t in (x, w, p)]
+            out, row = fn(*args)
+            (out.sum() + row.sum()).backward()
+            results.append((out, row, *(a.grad for a in args)))
+        with torch.no_grad():
+            torch.testing.assert_close(results[0][:2], f(x, w, p))
+        # Plain Thunder's gradients, not eager's: Thunder's grad rule for the write differs from eager's.
+        torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-5)
+    assert replays(jf, ex) >= 3
+
+
 def _square_saved_then_written_in_the_same_graph(x, s):
     square = s.square()
     s.add_(s.detach())

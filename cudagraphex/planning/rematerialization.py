@@ -86,7 +86,9 @@ def behind_barriers(
 def not_recomputable(sequence: Sequence[RegionSpec | BoundSymbol]) -> dict[int, frozenset[str]]:
     """For each region of ``sequence`` (a planned trace, by index), the names of its outputs that a recomputation from
     what the region computes them from would get wrong: those an in-place write computes, or computes from, and those
-    computed from memory that a write of a later symbol, in the region or after it, may reach (views followed)."""
+    computed from memory that a write of a later symbol, in the region or after it, may reach (views followed); also
+    those computed from such outputs of an earlier region. Thunder rematerializes one producer and consumer pair after
+    the other, so a fusion that reads a region which recomputed an earlier region's outputs may recompute them too."""
     flat = [b for item in sequence for b in (item.bound_symbols if isinstance(item, RegionSpec) else (item,))]
     written, aliases = input_aliases(flat, None)
     # The memory written by the symbols after each position of ``flat``.
@@ -95,11 +97,13 @@ def not_recomputable(sequence: Sequence[RegionSpec | BoundSymbol]) -> dict[int, 
         later[k] = later[k + 1] | written.get(id(flat[k]), frozenset())
     position = {id(b): k for k, b in enumerate(flat)}
     found: dict[int, frozenset[str]] = {}
+    inherited: set[str] = set()
     for index, item in enumerate(sequence):
         if isinstance(item, RegionSpec):
-            wrong = _wrongly_recomputed(item, position, later, aliases) & {p.name for p in item.outputs}
+            wrong = _wrongly_recomputed(item, position, later, aliases, inherited) & {p.name for p in item.outputs}
             if wrong:
                 found[index] = frozenset(wrong)
+                inherited |= wrong
     return found
 
 
@@ -108,12 +112,14 @@ def _wrongly_recomputed(
     position: dict[int, int],
     later: Sequence[frozenset[str]],
     aliases: dict[str, frozenset[str]],
+    inherited: Collection[str],
 ) -> set[str]:
     """The names of the tensors ``region`` computes that a recomputation would get wrong (:func:`not_recomputable`).
     A recomputation starts from the region's inputs or its outputs (which, where wrong, are kept), so a tensor is wrong
-    where its member writes in place, reads written memory, or reads a wrong tensor the region does not return."""
+    where its member writes in place, reads written memory, or reads a wrong tensor the region does not return: one it
+    computes, or an input that is an earlier region's wrong output (``inherited``)."""
     returned = {p.name for p in region.outputs}
-    wrong: set[str] = set()
+    wrong: set[str] = {p.name for p in region.inputs if p.name in inherited}
     for bsym in region.bound_symbols:  # in trace order: what a member reads is decided before the member
         written_after = later[position[id(bsym)] + 1]
         reads = [p.name for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)]
