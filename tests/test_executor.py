@@ -626,6 +626,35 @@ def test_a_fusion_reading_a_graph_that_reads_a_write_of_an_earlier_graph_never_r
     assert replays(jf, ex) >= 3
 
 
+def test_what_only_a_write_moved_into_the_backward_reads_moves_with_it(backend):
+    # Nothing the forward returns needs v, so Thunder moves v.mul_(w) into the backward, and with it the product that
+    # makes v. Left in a graph, that product would stay in the forward and be saved for the backward, where the moved
+    # write would land in it: autograd would then refuse the second backward through the retained graph.
+    def f(x, s):
+        s.add_(x)
+        h = s.mean().item()
+        v = s * h
+        w = s.abs().sqrt()
+        v.mul_(w)
+        return w
+
+    ex = CUDAGraphExecutor(
+        f"cudagraphex_moved_write_{backend.name}", backend=backend.executor.options.backend, min_region_size=1
+    )
+    jf = thunder.jit(f, executors=[*thunder.get_default_executors(), ex])
+    for _ in range(4):
+        x = torch.randn(4, 4, device=backend.device, requires_grad=True)
+        s = torch.randn(4, 4, device=backend.device)
+        x_ref, s_ref = x.detach().clone().requires_grad_(), s.clone()
+        out, expected = jf(x, s), f(x_ref, s_ref)
+        cotangent = torch.randn(4, 4, device=backend.device)
+        for retain in (True, False):
+            (out * cotangent).sum().backward(retain_graph=retain)
+            (expected * cotangent).sum().backward(retain_graph=retain)
+        torch.testing.assert_close((out, s, x.grad), (expected, s_ref, x_ref.grad))
+    assert replays(jf, ex) >= 3
+
+
 def _square_saved_then_written_in_the_same_graph(x, s):
     square = s.square()
     s.add_(s.detach())

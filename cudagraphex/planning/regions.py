@@ -9,13 +9,16 @@ graph does not take that tensor (Thunder would save it for backward). A run whos
 tensors nothing reads later) is left out as well: Thunder's rematerialization, which every fusion pass after cudagraphex
 runs, refuses a fusion without outputs that reads another fusion's ("The consumer has no outputs").
 
-Two hazards can only be seen once runs exist, so forming regions iterates until none is left:
+Three hazards can only be seen once runs exist, so forming regions iterates until none is left:
 
 - an in-place write (``copy_``) into a region input that cannot be kept static (a tensor an eager symbol produces
   anew on every call) would land in the graph's private copy of it; the write is kept out of the graph;
 - in a joint forward-backward trace Thunder keeps a ``copy_`` into a forward tensor in the forward pass, but a region
   that holds it moves to the backward pass unless one of its outputs is needed by the forward; such a write is kept
-  out of the graph too.
+  out of the graph too;
+- in a joint trace Thunder moves a write outside graphs that the forward does not need into the backward pass, and
+  what only that write reads with it; a region would keep the latter in the forward, so it is kept out of the graph
+  (:mod:`~cudagraphex.planning.split`).
 
 In a joint trace, a region that defines a tensor an in-place op then writes, and whose value before the write the
 backward reads, also returns a copy of it taken before the write (:mod:`~cudagraphex.planning.snapshots`).
@@ -36,8 +39,9 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx, TraceTag
 
-from cudagraphex.planning.safety import TRANSPARENT, UNPACKS, is_inplace_write, rng_state_args
+from cudagraphex.planning.safety import TRANSPARENT, UNPACKS, rng_state_args
 from cudagraphex.planning.snapshots import with_snapshots
+from cudagraphex.planning.split import moved_write_feeders, split_hazards
 from cudagraphex.planning.static_inputs import classify_inputs, static_names
 from cudagraphex.planning.symbols import (
     count_ops,
@@ -404,52 +408,13 @@ class _Planner:
                     if name in spec.written.get(id(b), ()):
                         hazards[id(b)] = why
             graph_outputs |= static_outputs(spec, static.__contains__)
-        hazards.update(self._split_hazards(plan))
+
+        def is_region(item: object) -> bool:
+            return isinstance(item, RegionSpec)
+
+        hazards.update(split_hazards(self.bsyms, plan.sequence, is_region))
+        hazards.update(moved_write_feeders(self.bsyms, plan.sequence, is_region))
         hazards.update(_rng_state_hazards(plan))
-        return hazards
-
-    def _split_hazards(self, plan: Plan) -> dict[int, str]:
-        """Forward in-place writes that Thunder's forward/backward split would move into the backward pass."""
-        ret = self.bsyms[-1] if self.bsyms else None
-        if not any(b.sym.id == prims.PrimIDs.GET_GRAD for b in self.bsyms) or ret is None:
-            return {}
-        out = ret.args[0]
-        initial = {p.name for p in flat_proxies(out.get("fw_flat_out"))}
-        initial |= {p.name for p in flat_proxies(out.get("flat_args"))}
-
-        forward_members = set()
-        names = set(initial)
-        for b in reversed(self.bsyms):
-            if b.sym.id in (prims.PrimIDs.RETURN, prims.PrimIDs.GET_GRAD) or b.sym.id in TRANSPARENT:
-                continue
-            if any(p.name in names for p in b.flat_proxy_outs) or b.sym.id == prims.PrimIDs.UNPACK_TRIVIAL:
-                forward_members.add(id(b))
-                names |= {p.name for p in (*b.flat_proxy_args, *b.flat_proxy_outs)}
-            elif is_inplace_write(b) and b.args[1].name in names:
-                forward_members.add(id(b))
-                names |= {p.name for p in b.flat_proxy_args}
-
-        hazards = {}
-        names = set(initial)
-        for item in reversed(plan.sequence):
-            if isinstance(item, RegionSpec):
-                outs, args = item.outputs, item.inputs
-                members = item.bound_symbols
-            else:
-                if item.sym.id in (prims.PrimIDs.RETURN, prims.PrimIDs.GET_GRAD) or item.sym.id in TRANSPARENT:
-                    continue
-                outs, args, members = item.flat_proxy_outs, item.flat_proxy_args, [item]
-            forward = any(p.name in names for p in outs) or (
-                not isinstance(item, RegionSpec) and item.sym.id == prims.PrimIDs.UNPACK_TRIVIAL
-            )
-            if not forward and not isinstance(item, RegionSpec) and is_inplace_write(item):
-                forward = item.args[1].name in names
-            if forward:
-                names |= {p.name for p in (*args, *outs)}
-            elif isinstance(item, RegionSpec):
-                for b in members:
-                    if id(b) in forward_members:
-                        hazards[id(b)] = "is a forward in-place update that must run in the forward pass"
         return hazards
 
 
