@@ -41,7 +41,7 @@ from thunder.core.trace import TraceCtx, TraceTag
 
 from cudagraphex.planning.safety import TRANSPARENT, UNPACKS, rng_state_args
 from cudagraphex.planning.snapshots import with_snapshots
-from cudagraphex.planning.split import moved_write_feeders, split_hazards
+from cudagraphex.planning.split import forward_pass, moved_write_feeders, split_hazards
 from cudagraphex.planning.static_inputs import classify_inputs, static_names
 from cudagraphex.planning.symbols import (
     count_ops,
@@ -231,6 +231,7 @@ class _Planner:
                     self.consumers[p.name].append(i)
         self.trace_outputs = {p.name for p in flat_proxies(trace.output)}
         _, self.aliases = input_aliases(self.bsyms, None)
+        self.forward = forward_pass(self.bsyms)
         #: For each region member (by ``id``), the ``id`` of the symbol of the trace that it is or decomposes.
         self.origin: dict[int, int] = {}
 
@@ -408,14 +409,15 @@ class _Planner:
                     if name in spec.written.get(id(b), ()):
                         hazards[id(b)] = why
             graph_outputs |= static_outputs(spec, static.__contains__)
-
-        def is_region(item: object) -> bool:
-            return isinstance(item, RegionSpec)
-
-        hazards.update(split_hazards(self.bsyms, plan.sequence, is_region))
-        hazards.update(moved_write_feeders(self.bsyms, plan.sequence, is_region))
+        if self.forward is not None:
+            hazards.update(split_hazards(self.forward, plan.sequence, _is_region))
+            hazards.update(moved_write_feeders(self.forward, plan.sequence, _is_region))
         hazards.update(_rng_state_hazards(plan))
         return hazards
+
+
+def _is_region(item: object) -> bool:
+    return isinstance(item, RegionSpec)
 
 
 def _rng_state_hazards(plan: Plan) -> dict[int, str]:

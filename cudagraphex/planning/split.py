@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from thunder.core import prims
@@ -17,46 +18,45 @@ from thunder.core.symbol import BoundSymbol
 from cudagraphex.planning.safety import TRANSPARENT, is_inplace_write
 from cudagraphex.planning.symbols import flat_proxies
 
-__all__ = ["moved_write_feeders", "split_hazards"]
+__all__ = ["ForwardPass", "forward_pass", "moved_write_feeders", "split_hazards"]
 
 
-def _forward_outputs(bsyms: Sequence[BoundSymbol]) -> set[str] | None:
-    """In a joint trace, the names the forward pass returns (its outputs and arguments); None in another trace."""
+@dataclass(frozen=True)
+class ForwardPass:
+    """What the split keeps in the forward pass of a joint trace."""
+
+    #: The names the forward returns: its outputs and arguments.
+    outputs: frozenset[str]
+    #: The symbols (by ``id``) it keeps: those the outputs need, and the in-place writes into what it keeps.
+    members: frozenset[int]
+
+
+def forward_pass(bsyms: Sequence[BoundSymbol]) -> ForwardPass | None:
+    """The forward pass that the split keeps of the joint trace ``bsyms``; None for another trace."""
     ret = bsyms[-1] if bsyms else None
     if not any(b.sym.id == prims.PrimIDs.GET_GRAD for b in bsyms) or ret is None:
         return None
     out = ret.args[0]
-    return {p.name for p in (*flat_proxies(out.get("fw_flat_out")), *flat_proxies(out.get("flat_args")))}
-
-
-def _forward_members(bsyms: Sequence[BoundSymbol], initial: set[str]) -> set[int]:
-    """The symbols (by ``id``) that the split keeps in the forward pass, which returns ``initial``: those it needs, and
-    the in-place writes into what it needs."""
-    forward_members = set()
-    names = set(initial)
+    outputs = {p.name for p in (*flat_proxies(out.get("fw_flat_out")), *flat_proxies(out.get("flat_args")))}
+    members = set()
+    names = set(outputs)
     for b in reversed(bsyms):
         if b.sym.id in (prims.PrimIDs.RETURN, prims.PrimIDs.GET_GRAD) or b.sym.id in TRANSPARENT:
             continue
         if any(p.name in names for p in b.flat_proxy_outs) or b.sym.id == prims.PrimIDs.UNPACK_TRIVIAL:
-            forward_members.add(id(b))
+            members.add(id(b))
             names |= {p.name for p in (*b.flat_proxy_args, *b.flat_proxy_outs)}
         elif is_inplace_write(b) and b.args[1].name in names:
-            forward_members.add(id(b))
+            members.add(id(b))
             names |= {p.name for p in b.flat_proxy_args}
-    return forward_members
+    return ForwardPass(frozenset(outputs), frozenset(members))
 
 
-def split_hazards(
-    bsyms: Sequence[BoundSymbol], sequence: Sequence[Any], is_region: Callable[[Any], bool]
-) -> dict[int, str]:
+def split_hazards(forward: ForwardPass, sequence: Sequence[Any], is_region: Callable[[Any], bool]) -> dict[int, str]:
     """Forward in-place writes in regions that the split would move into the backward pass, by member ``id``
-    (``sequence``: a planned joint trace ``bsyms``, regions among its symbols)."""
-    initial = _forward_outputs(bsyms)
-    if initial is None:
-        return {}
-    forward_members = _forward_members(bsyms, initial)
+    (``sequence``: a planned joint trace, regions among its symbols)."""
     hazards = {}
-    names = set(initial)
+    names = set(forward.outputs)
     for item in reversed(sequence):
         if is_region(item):
             outs, args, members = item.outputs, item.inputs, item.bound_symbols
@@ -64,33 +64,29 @@ def split_hazards(
             if item.sym.id in (prims.PrimIDs.RETURN, prims.PrimIDs.GET_GRAD) or item.sym.id in TRANSPARENT:
                 continue
             outs, args, members = item.flat_proxy_outs, item.flat_proxy_args, [item]
-        forward = any(p.name in names for p in outs) or (
+        kept = any(p.name in names for p in outs) or (
             not is_region(item) and item.sym.id == prims.PrimIDs.UNPACK_TRIVIAL
         )
-        if not forward and not is_region(item) and is_inplace_write(item):
-            forward = item.args[1].name in names
-        if forward:
+        if not kept and not is_region(item) and is_inplace_write(item):
+            kept = item.args[1].name in names
+        if kept:
             names |= {p.name for p in (*args, *outs)}
         elif is_region(item):
             for b in members:
-                if id(b) in forward_members:
+                if id(b) in forward.members:
                     hazards[id(b)] = "is a forward in-place update that must run in the forward pass"
     return hazards
 
 
 def moved_write_feeders(
-    bsyms: Sequence[BoundSymbol], sequence: Sequence[Any], is_region: Callable[[Any], bool]
+    forward: ForwardPass, sequence: Sequence[Any], is_region: Callable[[Any], bool]
 ) -> dict[int, str]:
     """Region members whose results only in-place writes outside graphs that the split moves into the backward read
     (directly or through other such members), by ``id``. The split moves them with the writes, as it does without
     graphs; in a region they would stay in the forward, and a moved write would land in a tensor saved for backward
     (autograd then refuses a second backward through it)."""
-    initial = _forward_outputs(bsyms)
-    if initial is None:
-        return {}
-    forward = _forward_members(bsyms, initial)
     outside = [item for item in sequence if not is_region(item)]
-    moved = {id(b) for b in outside if is_inplace_write(b) and id(b) not in forward}
+    moved = {id(b) for b in outside if is_inplace_write(b) and id(b) not in forward.members}
     if not moved:
         return {}
     members = [b for item in sequence if is_region(item) for b in item.bound_symbols]
