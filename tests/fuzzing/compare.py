@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,10 +214,28 @@ def compare_step(program: Program, backend: BackendSpec, index: int, ref: Observ
 
 
 def run_alike(
-    program: Program, backend: BackendSpec, worlds: tuple[World, World], steps: list, *, seeded: bool
+    program: Program,
+    backend: BackendSpec,
+    worlds: tuple[World, World],
+    steps: list,
+    *,
+    seeded: bool,
+    leave_out: Collection[str] = (),
 ) -> bool:
-    """Whether both ``worlds`` run ``steps`` in lock-step without raising and observe the same after each."""
+    """Whether both ``worlds`` run ``steps`` in lock-step without raising and observe the same after each, but for the
+    observations labelled in ``leave_out``."""
     for index, (a, b) in lockstep(program, worlds, steps, seeded=seeded):
-        if a.raised is not None or b.raised is not None or compare_step(program, backend, index, a, b):
+        if a.raised is not None or b.raised is not None:
+            return False
+        if compare_step(program, backend, index, *(_without(o, leave_out) for o in (a, b))):
             return False
     return True
+
+
+def _without(observed: Observations, labels: Collection[str]) -> Observations:
+    """``observed`` without the observations labelled in ``labels`` (itself where there are none)."""
+    if not labels:
+        return observed
+    kept = Observations()
+    kept.items = [(label, value) for label, value in observed.items if label not in labels]
+    return kept
