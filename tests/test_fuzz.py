@@ -30,7 +30,8 @@ import torch
 
 from tests.fuzzing import Line, Mode, Program, Step, TensorSpec, check, run_batch
 from tests.fuzzing.compare import compare_step
-from tests.fuzzing.world import BACKENDS, Observations
+from tests.fuzzing.fusion_executor import fuser_departs
+from tests.fuzzing.world import BACKENDS, Observations, executor
 
 #: Each program is compiled with and without cudagraphex, once per input signature, grad mode, train/eval mode and
 #: autocast it is called in; most programs use one or two of them, and each runs 3-5 calls in every one.
@@ -393,6 +394,32 @@ def test_a_write_that_only_plain_thunders_backward_reads_is_excused():
     assert "its backward read no written tensor" in failure.excused
 
 
+def test_an_output_that_only_thunder_marks_as_requiring_grad_leaves_the_other_cotangents_as_eager_draws_them():
+    """Thunder returns ``v1``, which reads no input that requires grad, as requiring grad; eager does not. Plain Thunder
+    computes the gradient of ``v0.mul_(x1)`` from ``v0`` after the write. Eager gives ``v0`` the cotangent the
+    Thunder paths give it, so it can judge the gradient of ``x1``: cudagraphex agrees with it, excused."""
+    lines = [
+        Line("v0 = torch.softmax(x1 @ x1.t(), -1) @ x0", "v0", frozenset({"x0", "x1"}), False, "attention"),
+        Line("v1 = c0.sum(0)", "v1", frozenset({"c0"}), False, "readback"),
+        Line("v0.mul_(x1)", None, frozenset({"v0", "x1"}), True, "inplace_intermediate"),
+    ]
+    program = _program(
+        module=True,
+        batches=(4,),
+        tensors=[
+            TensorSpec("x0", "BD", "x"),
+            TensorSpec("x1", "BD", "x", requires_grad=True),
+            TensorSpec("c0", "ND", "state", persistent=True),
+        ],
+        lines=lines,
+        outputs=["v1", "v0"],
+        steps=[Step("call", Mode(), loss="now")],
+    )
+    (failure,) = check(program).failures
+    assert failure.symptom == "grad of cN NAME: values"
+    assert "cudagraphex agrees with eager" in failure.excused
+
+
 def test_a_write_into_a_view_of_a_leaf_that_requires_grad_is_excused_where_eager_through_detach_agrees():
     """Eager refuses ``v0.mul_(2)`` into a view of the leaf ``x0``; Thunder checks only the write's target, here a
     view of the transposed input, so neither Thunder path refuses it. Plain Thunder drops the write; cudagraphex
@@ -683,9 +710,9 @@ def test_a_write_into_a_view_output_is_excused_where_plain_thunder_refuses_it_wi
 
 def test_a_gradient_that_thunders_fusion_executor_changes_is_excused_where_cudagraphex_gives_thunders_without_it():
     """With its torch.compile executor, plain Thunder recomputes ``v0`` in the backward and runs the write into the
-    input again, so ``w0``'s gradient reads row 0 raised twice. Eager gives no verdict (Thunder marks the embedding as
-    requiring grad, so the cotangents differ); cudagraphex, with the fusion executor after it, gives the gradient that
-    Thunder gives without one: excused."""
+    input again, so ``w0``'s gradient reads row 0 raised twice. Eager agrees with cudagraphex (the Thunder paths mark
+    the embedding as requiring grad, which takes no draw from the other cotangents); and without eager, cudagraphex,
+    with the fusion executor after it, gives the gradient that Thunder gives without one: excused both ways."""
     lines = [
         Line("v0 = x1.reshape(x1.shape[0], -1)", "v0", frozenset({"x1"}), False, "view"),
         Line("v0[0].add_(1)", None, frozenset({"v0"}), True, "write_input"),
@@ -708,7 +735,9 @@ def test_a_gradient_that_thunders_fusion_executor_changes_is_excused_where_cudag
     )
     (failure,) = check(program).failures
     assert failure.label == "grad of c0 w0"
-    assert "departs from plain Thunder without it" in failure.excused
+    assert "cudagraphex agrees with eager" in failure.excused
+    by_thunder = fuser_departs(failure, BACKENDS["emulate"], executor("emulate", program.min_region_size))
+    assert "departs from plain Thunder without it" in by_thunder
     plain = check(dataclasses.replace(program, fuser=False))
     assert plain.failures == []
 

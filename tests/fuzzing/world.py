@@ -292,10 +292,13 @@ class World:
         for k, v in args.items():
             obs.add(f"input {k} after the call", v)
         self.last_inputs = args
-        grads = [(o, None) for o in outs if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
-        if step.mode.grad and step.loss != "none" and grads:
+        floats = [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        if step.mode.grad and step.loss != "none" and any(o.requires_grad for o in floats):
             g = torch.Generator().manual_seed(derived_seed(self.program.seed, "cotangent", index))
-            pairs = [(o, torch.randn(o.shape, generator=g).to(o.device, o.dtype)) for o, _ in grads]
+            # One draw per floating-point output, so that worlds that differ in which outputs require grad (Thunder
+            # marks some that eager does not) give the same output the same cotangent.
+            drawn = [(o, torch.randn(o.shape, generator=g).to(o.device, o.dtype)) for o in floats]
+            pairs = [(o, c) for o, c in drawn if o.requires_grad]
             leaves = {k: v for k, v in args.items() if v.requires_grad}
             leaves.update({k: v for k, v in self.named_state() if v.requires_grad})
             if step.form == "sum":
