@@ -1,24 +1,17 @@
 """Microbenchmark: the host cost cudagraphex adds to a replay.
 
-One region of 100 small pointwise ops (50 x ``y = y * 1.0001``, ``y = y + 0.0001`` on 1024 floats), whose inputs are
-k tensors (summed first, so all k are inputs of the region; the warm-up call gets copies of them, so the graph copies
-them on every call instead of reading them in place), replayed three ways on the same captured graph:
+One region of 100 pointwise ops (``hundred_ops``: 50 x ``y = y * 1.0001``, ``y = y + 0.0001`` on 1024 floats) with
+k inputs (summed first; the warm-up gets copies, so the graph copies them on every call), replayed three ways on one
+captured graph: (a) ``thunder call``, the compiled Thunder function; (b) ``region call``, the region called with its
+inputs (guards, input copy, liveness check, replay, hand-out); (c) ``graph.replay``, ``CUDAGraph.replay()`` alone.
+Two more cases: ``hundred_outputs`` hands out its 100 results; and ``hundred_ops`` warmed up on its input itself, so
+that the graph reads it in place.
 
-(a) ``thunder call``: the compiled Thunder function (prologue checks, the region, epilogue);
-(b) ``region call``: the region called directly with its inputs (guards, the batched input copy, the liveness check,
-    the replay, handing out the outputs);
-(c) ``graph.replay``: ``torch.cuda.CUDAGraph.replay()`` alone.
-
-Two more cases: ``hundred_outputs`` returns each of its 100 ops' results, so its region hands out 100 outputs; and
-``hundred_ops`` warmed up on its one input itself, so that the graph reads that input in place.
-
-Every time is *host* time: a block of calls starts on an idle GPU and ends when its last call returns, without waiting
-for the GPU (the 100 kernels, ~94 µs on an H200, would otherwise set the pace). A measurement is the median of its
-blocks; every round times one block of every measurement, so that a slow stretch of the host touches all alike.
-
-Derived, in microseconds: host cost per region = (b) - (c) at k=1; the same with the input read in place; per copied
-input = the least-squares slope of (b) - (c) over k; per returned output = the extra (b) - (c) of ``hundred_outputs``
-over ``hundred_ops`` at k=1, per extra output; Thunder prologue/epilogue + glue = (a) - (b) at k=1.
+Times are host times: a block of calls starts on an idle GPU and ends when its last call returns (the GPU's ~94 µs
+would set the pace otherwise); a measurement is the median of its blocks, one block per round for every measurement.
+Derived, in µs: per region = (b) - (c) at k=1, and the same read in place; per copied input = the least-squares slope
+of (b) - (c) over k; per returned output = the extra (b) - (c) of ``hundred_outputs`` over ``hundred_ops`` at k=1,
+per extra output; Thunder's prologue, epilogue and glue = (a) - (b) at k=1.
 """
 
 from __future__ import annotations
@@ -88,8 +81,8 @@ def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 
 def _region_inputs(jfn, region, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors the region is called with, found by name among the computation trace's arguments (which are the
-    function's inputs, in order)."""
+    """The tensors the region is called with, by name among the computation trace's arguments (the inputs, in
+    order)."""
     import thunder
 
     names = [getattr(a, "name", None) for a in thunder.last_traces(jfn)[-1].args]
@@ -110,13 +103,8 @@ def run_micro(
     log: Callable[[str], None] = lambda line: None,
 ) -> tuple[list[Record], dict]:
     """Measures (a), (b) and (c) for every case of the module docstring; returns the records and the derived host
-    breakdown.
-
-    ``executor`` is the cudagraphex executor (an emulating one on the CPU, where (c) replays the emulation). Errors
-    are recorded per measurement, and their whole tracebacks go to ``log``; the breakdown holds None where its inputs
-    are missing.
-    """
-
+    breakdown (None where its inputs are missing). ``executor`` is the cudagraphex executor (an emulating one on the
+    CPU, where (c) replays the emulation). Errors are recorded per measurement, their tracebacks go to ``log``."""
     records: list[Record] = []
     # (key, function, k, whether the graph reads its inputs in place)
     cases: list[tuple[int | str, Callable, int, bool]] = [(k, hundred_ops, k, False) for k in K_VALUES]

@@ -121,26 +121,15 @@ def thunder_nanogpt(config) -> nn.Module:
 class LlamaDecodeStep(nn.Module):
     """One-token decode steps of a Hugging Face ``LlamaForCausalLM`` against a static KV cache kept as state.
 
-    ``forward(input_ids, cache_position)`` takes ``input_ids`` of shape (batch, 1) and ``cache_position``, a 1-element
-    int64 tensor P; it writes the token's keys and values at position P of the cache, attends to positions 0..P and
-    returns the logits, shape (batch, 1, vocab). Calling it again with the same arguments repeats exactly the same
-    work and returns the same logits, which is what a benchmark of decode steps needs.
+    ``forward(input_ids, cache_position)`` takes ``input_ids`` (batch, 1) and a 1-element int64 ``cache_position`` P;
+    it writes the token's keys and values at position P, attends to positions 0..P and returns the logits (batch, 1,
+    vocab). The same arguments repeat the same work and give the same logits.
 
-    Two deliberate departures from ``LlamaForCausalLM.forward``, both needed for ``thunder.jit``:
-
-    * The step calls the model's own submodules (embedding, rotary embedding, decoder layers, norm, head) instead of
-      ``LlamaModel.forward``: that method's ``capture_outputs`` decorator stores an output collector in a module-level
-      variable, which Thunder's interpreter refuses to write ("trying to set .global_var ...").
-    * The 4-D boolean attention mask is built here from ``cache_position``, so Hugging Face's mask construction,
-      which differs between transformers releases, is never traced.
-
-    The cache is transformers' own ``StaticCache`` (one ``StaticLayer`` per decoder layer, tensors allocated up front).
-    Its tensors (keys, values and, under 5.x, counters) are also buffers of the submodule ``kv`` (the forward reaches
-    them through the cache), so that ``cudagraphex.graph_step`` guards them as the step's state.
-    Under transformers 4.5x its layers write at ``cache_position``. Under 5.x they write at a running counter
-    (``cumulative_length``) that they advance on every update; the step first sets that counter to ``cache_position``
-    so that decoding at position P is idempotent. Thunder traces this cache as it is: the in-place writes to the
-    counter and to the key/value tensors become ``copy_``s to those tensors in the trace.
+    For ``thunder.jit`` it calls the model's submodules instead of ``LlamaModel.forward`` (whose ``capture_outputs``
+    writes a module-level variable, which Thunder refuses), and builds the boolean mask from ``cache_position``. The
+    cache is transformers' ``StaticCache``; its tensors are also buffers of ``kv``, so that ``graph_step`` guards them
+    as state. Under transformers 5.x the layers write at a running counter (``cumulative_length``), which the step
+    first sets to ``cache_position``; under 4.5x they write at ``cache_position``.
     """
 
     def __init__(self, model: nn.Module, cache, max_cache_len: int, cache_kwarg: str):
@@ -234,55 +223,29 @@ def llama_decode(
 
 
 def llama_1b_config(tiny: bool = False, layers: int | None = None):
-    """Llama-3.2-1B's configuration (``tiny``: 2 layers of width 64, vocabulary 256, for the CPU).
-
-    ``layers`` replaces the number of decoder layers (16, or the tiny 2).
-    """
+    """Llama-3.2-1B's configuration with ``layers`` decoder layers (default 16); ``tiny``: width 64, vocabulary 256
+    and 2 layers by default, for the CPU."""
     from transformers import LlamaConfig
 
-    rope = {
-        "rope_type": "llama3",
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
+    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    rope["original_max_position_embeddings"] = 8192
     shared = {"rope_scaling": rope, "rope_theta": 500000.0, "tie_word_embeddings": True}
-    if layers is not None:
-        shared["num_hidden_layers"] = layers
-    if tiny:
-        shared.setdefault("num_hidden_layers", 2)
-        return LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            max_position_embeddings=16384,  # above the rope scaling's original 8192, as the real config's
-            **shared,
-        )
-    shared.setdefault("num_hidden_layers", 16)
-    return LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        **shared,
-    )
+    if tiny:  # max_position_embeddings above the rope scaling's original 8192, as the real config's
+        sizes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+        sizes |= {"vocab_size": 256, "max_position_embeddings": 16384, "num_hidden_layers": layers or 2}
+    else:
+        sizes = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8}
+        sizes |= {"head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5}
+        sizes |= {"num_hidden_layers": layers or 16}
+    return LlamaConfig(**(shared | sizes))
 
 
 class CausalLMLoss(nn.Module):
-    """A Hugging Face causal language model called for training: ``forward(input_ids, labels)`` returns the model's
-    own next-token cross-entropy loss (no KV cache).
+    """A Hugging Face causal language model for training: ``forward(input_ids, labels)`` returns its own loss.
 
-    Attention runs through ``causal_sdpa``, registered with transformers' ``AttentionInterface``: scaled dot-product
-    attention with ``is_causal=True`` and the key/value heads repeated for grouped-query attention. Hugging Face's
-    own ``sdpa`` path cannot be traced by ``thunder.jit`` in training: its mask builder takes the ``torch.vmap`` path
-    under Thunder, and its grouped-query call passes ``enable_gqa``, which Thunder 0.2.6's SDPA does not accept.
+    Attention runs through ``causal_sdpa`` (causal SDPA, key/value heads repeated for grouped-query attention):
+    ``thunder.jit`` cannot trace Hugging Face's ``sdpa`` path in training (its mask builder takes the ``torch.vmap``
+    path, and it passes ``enable_gqa``, which Thunder 0.2.6's SDPA does not accept).
     """
 
     def __init__(self, model: nn.Module):
@@ -298,8 +261,7 @@ class CausalLMLoss(nn.Module):
 
 
 def _causal_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Causal attention for :class:`CausalLMLoss` (the signature of transformers' attention functions; the mask is
-    ignored: the calls have no padding)."""
+    """Causal attention for :class:`CausalLMLoss`; the mask is ignored (no padding)."""
     from transformers.models.llama.modeling_llama import repeat_kv
 
     groups = query.shape[1] // key.shape[1]

@@ -95,14 +95,8 @@ def commit() -> str:
     if os.environ.get("CUDAGRAPHEX_COMMIT"):
         return os.environ["CUDAGRAPHEX_COMMIT"]
     try:
-        done = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            check=False,
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
+        git = ["git", "rev-parse", "HEAD"]
+        done = subprocess.run(git, check=False, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return done.stdout.strip() if done.returncode == 0 else "unknown"

@@ -50,17 +50,12 @@ MEMORY_CALLS = 3
 
 
 class Suite:
-    """Runs the GPU benchmarks (or, on ``device`` cpu, the same code with cudagraphex's CPU replay backend).
+    """Runs the GPU benchmarks (or, on ``device`` cpu, the same code with cudagraphex's CPU replay backend): the
+    ``workloads``, ``modes`` and ``variants`` named, after the host-overhead microbenchmark if ``micro``.
 
-    Args:
-        workloads, modes, variants: what to run (names from ``WORKLOADS``, ``MODES``, ``VARIANTS``).
-        options: measurement options.
-        micro: whether to run the host-overhead microbenchmark first.
-        progress: called with a short label after every finished or skipped (workload, variant, mode).
-        log: called with human-readable lines (time per task, skips, errors with their tracebacks).
-
-    ``checkpoint`` (an attribute, by default a no-op) is called with the records so far after the microbenchmark and
-    after each workload, for writing partial results.
+    ``progress`` is called with a short label after every finished or skipped (workload, variant, mode); ``log`` with
+    lines for people (time per task, skips, tracebacks); ``checkpoint`` (an attribute, by default a no-op) with the
+    records so far after the microbenchmark and after each workload, for writing partial results.
     """
 
     def __init__(

@@ -1,19 +1,11 @@
-"""The variants: how each one compiles a model, and how it makes the case of each mode (``benchmarks.cases``).
+"""The variants: how each compiles a model and makes the case of each mode (``benchmarks.cases``).
 
-``VARIANTS`` is in order of importance: the suite sets variants up in this order (reduce-overhead first:
-``benchmarks.suite`` says why), so a time budget that runs out drops the last ones; the table shows them in this order.
-
-``manual-graph`` captures by hand, as the PyTorch CUDA-graph documentation shows (warm-up on a side stream, then
-``torch.cuda.graph``): in ``inference`` the no-grad forward; in ``train_step`` the whole step, optimizer included
-(:func:`_graphed_case`). Its gradients are None when it is captured, so the captured backward allocates them from
-the graph's pool, the captured ``opt.step()`` reads them there, and the captured ``zero_grad`` only drops Python
-references: every replay writes the gradients afresh and updates parameters and optimizer state in place, as a call of
-the other variants does. A call copies the inputs into the graph's input buffers and replays.
-
-``thunder+wholestep(unsafe)`` captures the same step the same way on ``thunder.jit(model)``, with nothing that checks a
-replay is still valid: the floor of whole-step capture of a Thunder step. The ``-step`` variants run the step (in
-``inference``, the no-grad forward) through ``cudagraphex.graph_step``. ``+torchcompile`` adds Thunder's torch.compile
-executor.
+``VARIANTS`` is in order of importance: the suite sets them up in this order (reduce-overhead first:
+``benchmarks.suite`` says why), so a time budget that runs out drops the last ones. ``manual-graph`` captures by hand,
+as PyTorch's CUDA-graph documentation shows: the no-grad forward, or the whole ``train_step``, optimizer included
+(:func:`_graphed_case`). ``+wholestep(unsafe)`` captures the same step of ``thunder.jit(model)`` with nothing that
+checks a replay is valid: the floor of whole-step capture. ``-step`` variants run the mode's call through
+``cudagraphex.graph_step``. ``+torchcompile`` adds Thunder's torch.compile executor.
 """
 
 from __future__ import annotations
@@ -58,7 +50,7 @@ def graph_executor(device: torch.device):
 
     import cudagraphex
 
-    if graph_backend(device) == "cuda":
+    if device.type == "cuda":
         return cudagraphex.cudagraphex
     executor = get_executor(EMULATED_EXECUTOR)
     if executor is None:
@@ -115,10 +107,9 @@ class Compiled:
 class CompiledPerPhase(Compiled):
     """A Thunder variant: one jitted function per phase (inference, training), made on first use on the same module.
 
-    Thunder tries a jitted function's cache entries newest first, so an inference call made after the training entry
-    exists pays for a failing training prologue; and Thunder's ``CUDAGraphTransform`` (0.2.6) fails when one function
-    compiles both phases ("called on augmented forward twice without backward in between"). Thunder compiles the two
-    phases separately either way, so this costs no extra compilation.
+    Thunder tries cache entries newest first, so an inference call after the training entry exists pays for a failing
+    training prologue; and Thunder 0.2.6's ``CUDAGraphTransform`` fails when one function compiles both phases. Thunder
+    compiles the phases separately either way, so this costs no extra compilation.
     """
 
     def __init__(self, module: nn.Module, make: Callable[[nn.Module], Callable]) -> None:

@@ -8,6 +8,7 @@ graph structure repeats per layer, so one or a few layers show the same plan).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -57,64 +58,42 @@ class Workload:
 
 def _build_mlp(device: torch.device, plan: bool) -> Setup:
     torch.manual_seed(0)
-    depth = 4 if plan else 16
-    model = mlp(depth, 256).to(device)
+    model = mlp(4 if plan else 16, 256).to(device)
     x = torch.randn(8, 256, device=device)
-    reduced = "4 of the 16 (Linear, GELU) layers" if plan else ""
-    return Setup(model, (x,), (x,), torch.float32, reduced)
+    return Setup(model, (x,), (x,), torch.float32, "4 of the 16 (Linear, GELU) layers" if plan else "")
 
 
-def _gpt_setup(
-    config, batch: int, tokens: int, device: torch.device, dtype: torch.dtype, make: Callable[..., nn.Module] = GPT
-) -> Setup:
-    """``make(config)`` (a GPT that returns the loss when given targets) and random tokens and targets."""
-    torch.manual_seed(0)
-    model = make(config).to(device=device, dtype=dtype)
-    idx = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
-    targets = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
-    return Setup(model, (idx,), (idx, targets), dtype)
+def _gpt(config, batch: int, tokens: int, dtype: torch.dtype, make=GPT, reduced: str = "", plan=None):
+    """The builder of ``make(config)`` (a GPT that returns the loss when given targets) with random tokens and
+    targets. For the CPU plan it builds ``plan`` (another builder) if given, else the model with one layer, which
+    ``reduced`` describes."""
+
+    def build(device: torch.device, for_plan: bool) -> Setup:
+        if for_plan and plan is not None:
+            return plan(device, True)
+        torch.manual_seed(0)
+        model = make(dataclasses.replace(config, n_layer=1) if for_plan else config).to(device=device, dtype=dtype)
+        idx, targets = (torch.randint(0, config.vocab_size, (batch, tokens), device=device) for _ in range(2))
+        return Setup(model, (idx,), (idx, targets), dtype, reduced if for_plan else "")
+
+    return build
 
 
-def _build_nanogpt(device: torch.device, plan: bool) -> Setup:
-    config = GPTConfig(n_layer=1 if plan else 6, n_head=4, n_embd=256, block_size=64, vocab_size=512, dropout=0.0)
-    setup = _gpt_setup(config, 1, 32, device, torch.float32)
-    setup.reduced = "1 of the 6 layers" if plan else ""
-    return setup
+#: The reduced GPT of the 12-layer workloads' CPU plan.
+_PLAN_GPT = _gpt(
+    GPTConfig(n_layer=1, n_head=2, n_embd=128, block_size=64, vocab_size=512, dropout=0.0),
+    1,
+    32,
+    torch.float32,
+    reduced="1 of 12 layers, d=128, vocab 512, batch 1, 32 tokens, fp32",
+)
 
 
 def _build_nanogpt_thunder_tests(device: torch.device, plan: bool) -> Setup:
     from thunder.tests.nanogpt_model import GPTConfig as ThunderGPTConfig
 
-    config = ThunderGPTConfig(
-        block_size=64, vocab_size=512, n_layer=1 if plan else 4, n_head=4, n_embd=128, dropout=0.0
-    )
-    setup = _gpt_setup(config, 2, 64, device, torch.float32, make=thunder_nanogpt)
-    setup.reduced = "1 of the 4 layers" if plan else ""
-    return setup
-
-
-def _gpt12_plan(device: torch.device) -> Setup:
-    """The reduced GPT of the 12-layer workloads' CPU plan."""
-    config = GPTConfig(n_layer=1, n_head=2, n_embd=128, block_size=64, vocab_size=512, dropout=0.0)
-    setup = _gpt_setup(config, 1, 32, device, torch.float32)
-    setup.reduced = "1 of 12 layers, d=128, vocab 512, batch 1, 32 tokens, fp32"
-    return setup
-
-
-def _build_gpt2_124m(device: torch.device, plan: bool) -> Setup:
-    if plan:
-        return _gpt12_plan(device)
-    # fp32: GPT-2 training keeps its weights and optimizer state in fp32.
-    config = GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=256, vocab_size=50304, dropout=0.0, bias=True)
-    return _gpt_setup(config, 1, 128, device, torch.float32)
-
-
-def _build_gpt12(device: torch.device, plan: bool) -> Setup:
-    if plan:
-        return _gpt12_plan(device)
-    # bf16: the fp32 step (no TF32) takes several times longer, and that time is the GPU's, not launch overhead.
-    config = GPTConfig(n_layer=12, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304, dropout=0.0)
-    return _gpt_setup(config, 8, 512, device, torch.bfloat16)
+    config = ThunderGPTConfig(block_size=64, vocab_size=512, n_layer=4, n_head=4, n_embd=128, dropout=0.0)
+    return _gpt(config, 2, 64, torch.float32, thunder_nanogpt, "1 of the 4 layers")(device, plan)
 
 
 def _build_llama(device: torch.device, plan: bool) -> Setup:
@@ -148,6 +127,11 @@ def _build_llama_train(device: torch.device, plan: bool) -> Setup:
     return Setup(model, (input_ids, labels), (input_ids, labels), dtype, reduced)
 
 
+_NANOGPT6 = GPTConfig(n_layer=6, n_head=4, n_embd=256, block_size=64, vocab_size=512, dropout=0.0)
+# GPT-2 trains in fp32; the 12-layer d=1024 GPT in bf16 (its fp32 step's time is the GPU's, not launch overhead).
+_GPT2 = GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=256, vocab_size=50304, dropout=0.0, bias=True)
+_GPT12 = GPTConfig(n_layer=12, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304, dropout=0.0)
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -161,7 +145,7 @@ WORKLOADS: dict[str, Workload] = {
             "nanogpt6-d256-t32-b1",
             "nanoGPT decoder: 6 layers, d=256, 4 heads, vocab 512, 32 tokens, batch 1, fp32; training returns the loss",
             MODES,
-            _build_nanogpt,
+            _gpt(_NANOGPT6, 1, 32, torch.float32, reduced="1 of the 6 layers"),
         ),
         Workload(
             "nanogpt-thunder-tests",
@@ -190,13 +174,13 @@ WORKLOADS: dict[str, Workload] = {
             "gpt2-124m",
             "GPT-2 124M: 12 layers, d=768, 12 heads, vocab 50304, block 256, 128 tokens, batch 1, biases, fp32",
             MODES,
-            _build_gpt2_124m,
+            _gpt(_GPT2, 1, 128, torch.float32, plan=_PLAN_GPT),
         ),
         Workload(
             "gpt12-d1024-b8-t512",
             "GPT: 12 layers, d=1024, 16 heads, vocab 50304, 512 tokens, batch 8, bf16 weights and activations",
             MODES,
-            _build_gpt12,
+            _gpt(_GPT12, 8, 512, torch.bfloat16, plan=_PLAN_GPT),
         ),
     )
 }
