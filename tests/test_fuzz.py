@@ -29,8 +29,9 @@ import pytest
 import torch
 
 from tests.fuzzing import Line, Mode, Program, Step, TensorSpec, check, run_batch
-from tests.fuzzing.compare import compare_step
+from tests.fuzzing.compare import Failure, compare_step
 from tests.fuzzing.fusion_executor import fuser_departs
+from tests.fuzzing.out_of_place import made_out_of_place, writes_made_out_of_place
 from tests.fuzzing.world import BACKENDS, Observations, executor
 
 #: Each program is compiled with and without cudagraphex, once per input signature, grad mode, train/eval mode and
@@ -418,6 +419,35 @@ def test_an_output_that_only_thunder_marks_as_requiring_grad_leaves_the_other_co
     (failure,) = check(program).failures
     assert failure.symptom == "grad of cN NAME: values"
     assert "cudagraphex agrees with eager" in failure.excused
+
+
+def _tanh_written_in_place(*lines: Line) -> Program:
+    """``v0 = tanh(x1)`` (which saves its result for backward), ``lines``, ``v0.relu_()``, ``v1 = v0 @ x0.t()``."""
+    return _program(
+        module=True,
+        tensors=[TensorSpec("x0", "BD", "x"), TensorSpec("x1", "BD", "x", requires_grad=True)],
+        lines=[
+            Line("v0 = torch.tanh(x1)", "v0", frozenset({"x1"}), False, "unary"),
+            *lines,
+            Line("v0.relu_()", None, frozenset({"v0"}), True, "inplace_intermediate"),
+            Line("v1 = v0 @ x0.t()", "v1", frozenset({"v0", "x0"}), False, "matmul"),
+        ],
+        outputs=["v1"],
+        steps=[Step("call", Mode(), loss="now")],
+    )
+
+
+def test_a_gradient_where_eager_refuses_a_write_into_an_intermediate_is_judged_with_the_write_made_out_of_place():
+    """Eager refuses the backward (``relu_`` writes the result ``tanh`` saved); written ``v0 = v0.relu()`` it runs,
+    and gives cudagraphex's gradient of ``x1``. Where a view of ``v0`` could see the write, there is no such form."""
+    program = _tanh_written_in_place()
+    failure = Failure(0, 0, "grad of c0 x1", "", "grad of cN NAME: values", program)
+    assert "made out of place" in writes_made_out_of_place(failure, BACKENDS["emulate"], executor("emulate", 1))
+    assert "v0 = v0.relu()" in made_out_of_place(program).source()
+    viewed = _tanh_written_in_place(Line("v2 = v0.t().t()", "v2", frozenset({"v0"}), False, "view"))
+    assert made_out_of_place(viewed) is None
+    other = Failure(0, 0, "grad of c0 x1", "", "grad of cN NAME: values", viewed)
+    assert writes_made_out_of_place(other, BACKENDS["emulate"], executor("emulate", 1)) == ""
 
 
 def test_a_write_into_a_view_of_a_leaf_that_requires_grad_is_excused_where_eager_through_detach_agrees():

@@ -23,9 +23,8 @@ def fuser_departs(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor)
 
     Thunder 0.2.6's rematerialization ignores in-place writes: with a fusion executor its backward may recompute a
     tensor from memory written since, or run a recomputed write again. cudagraphex keeps such region outputs from
-    being recomputed (``cudagraphex.planning.rematerialization``). Eager gives no verdict where Thunder marks outputs
-    as requiring grad that eager does not (the cotangents then differ), or where it refuses a backward that read a
-    tensor saved for it and written in place.
+    being recomputed (``cudagraphex.planning.rematerialization``). Eager gives no verdict where it refuses a backward
+    that read a tensor saved for it and written in place.
 
     The verdict needs a value difference, or an error that only plain Thunder raises (its fusion executor may fail to
     compile what it is handed), and plain Thunder with and without the fusion executor to differ up to the failing

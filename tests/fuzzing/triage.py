@@ -23,6 +23,7 @@ from tests.fuzzing.compare import (
 from tests.fuzzing.fusion_executor import THUNDER_FUNCTION_VIEW, a_view_as_without_a_fusion_executor, fuser_departs
 from tests.fuzzing.moved_write import cotangents_of_an_unwritten_output, moved_write
 from tests.fuzzing.original_self import original_self_copied
+from tests.fuzzing.out_of_place import writes_made_out_of_place
 from tests.fuzzing.programs import Line, Program, Step
 from tests.fuzzing.world import BackendSpec, TensorSnapshot, World, compile_source, lockstep, raised_first_at_the_last
 
@@ -33,8 +34,9 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
     the failing step (:func:`_eager_verdict`); then by the verdicts below, each of which says what it needs:
     :func:`_write_not_read`, :func:`_leaf_written_through_a_view`, :func:`cotangents_of_an_unwritten_output`,
     :func:`_saved_by_rematerialization`, :func:`_closer_to_eager`, :func:`original_self_copied`,
-    :func:`a_view_as_without_a_fusion_executor`, :func:`fuser_departs`, :func:`thunder_called_in_the_steps_order`;
-    last, :func:`moved_write` (what plain Thunder moves into its backward)."""
+    :func:`writes_made_out_of_place`, :func:`a_view_as_without_a_fusion_executor`, :func:`fuser_departs`,
+    :func:`thunder_called_in_the_steps_order`; last, :func:`moved_write` (what plain Thunder moves into its
+    backward)."""
     program = failure.program
     if failure.symptom.startswith("raises only without cudagraphex") and THUNDER_FUNCTION_VIEW in failure.symptom:
         failure.excused = (
@@ -52,6 +54,7 @@ def triage(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> Non
         or _saved_by_rematerialization(failure, backend, ex)
         or _closer_to_eager(failure, backend, ex)
         or original_self_copied(failure, backend, ex)
+        or writes_made_out_of_place(failure, backend, ex)
         or a_view_as_without_a_fusion_executor(failure, backend)
         or fuser_departs(failure, backend, ex)
         or thunder_called_in_the_steps_order(failure, backend, ex)

@@ -1,0 +1,71 @@
+"""Triage verdict for a gradient that differs where eager refuses the backward because an in-place write into an
+intermediate changed a tensor saved for it: eager with those writes made out of place is the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from cudagraphex import CUDAGraphExecutor
+from tests.fuzzing.compare import Failure, observed_alike, value_mode
+from tests.fuzzing.programs import Program
+from tests.fuzzing.world import BackendSpec, World, compile_source, lockstep, raised_first_at_the_last
+
+_SAVED_TENSOR_WRITTEN = "one of the variables needed for gradient computation has been modified by an inplace"
+#: An in-place op on a whole tensor, made out of place by rebinding its name: ``v0.mul_(x1)`` -> ``v0 = v0.mul(x1)``.
+_WHOLE_TENSOR_WRITE = re.compile(r"^(\w+)\.(add|sub|mul|relu|clamp)_\((.*)\)$")
+#: Lines whose result may share memory with what they read.
+_ALIASING = frozenset({"view", "detach", "dropout"})
+
+
+def made_out_of_place(program: Program) -> Program | None:
+    """``program`` with each in-place write into an intermediate made out of place; None where it has none, or where
+    one writes part of a tensor, or a tensor that may share memory with another value (a view, ``detach`` or
+    dropout line made it or read it): elsewhere both compute the same values."""
+    definitions = {ln.defines: ln for ln in program.lines if ln.defines}
+    aliased = {name for ln in program.lines if ln.category in _ALIASING for name in ln.uses}
+    lines, changed = [], False
+    for ln in program.lines:
+        if ln.category == "inplace_intermediate":
+            match = _WHOLE_TENSOR_WRITE.match(ln.text)
+            target = match.group(1) if match else None
+            if target not in definitions or definitions[target].category in _ALIASING or target in aliased:
+                return None
+            ln = dataclasses.replace(ln, text=_WHOLE_TENSOR_WRITE.sub(r"\1 = \1.\2(\3)", ln.text), effect=False)
+            changed = True
+        lines.append(ln)
+    return dataclasses.replace(program, lines=lines) if changed else None
+
+
+def writes_made_out_of_place(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
+    """Why a gradient differs from plain Thunder's where eager refuses the backward for a tensor saved for it that an
+    in-place write into an intermediate changed; empty for no verdict.
+
+    Thunder computes such a write as a new value, as eager computes the program with the write made out of place
+    (:func:`made_out_of_place`). The verdict needs eager to refuse the failing step's backward, alone of the steps up
+    to it, and that program to run eagerly up to and through the step as cudagraphex runs the original, giving the
+    gradient that failed as cudagraphex gives it, within a tolerance.
+    """
+    program = failure.program
+    out_of_place = made_out_of_place(program)
+    if not failure.label.startswith("grad of") or out_of_place is None:
+        return ""
+    steps = program.steps[: failure.step + 1]
+    try:
+        eager = World(program, backend, "eager", compile_source(program, "eager"))
+        rewritten = World(out_of_place, backend, "eager", compile_source(out_of_place, "eager, writes out of place"))
+        cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return ""
+    refused = raised_first_at_the_last(program, eager, steps)
+    if refused is None or _SAVED_TENSOR_WRITTEN not in str(refused):
+        return ""
+    for _, (r, c) in lockstep(program, (rewritten, cgx), steps, seeded=not program.threads):
+        if r.raised is not None or c.raised is not None:
+            return ""
+    if not observed_alike(failure, r, c, value_mode(failure.label, "close"), values_only=True):
+        return ""
+    return (
+        "eager refuses the backward (an in-place write into an intermediate changed a tensor saved for it);"
+        " cudagraphex gives the gradient that eager gives with the write made out of place, as Thunder computes it"
+    )
