@@ -9,7 +9,7 @@ import re
 from cudagraphex import CUDAGraphExecutor
 from tests.fuzzing.compare import Failure, observed_alike, value_mode
 from tests.fuzzing.programs import Program
-from tests.fuzzing.world import BackendSpec, World, compile_source, lockstep, raised_first_at_the_last
+from tests.fuzzing.world import BackendSpec, eager_refuses_and_rewritten_runs
 
 _SAVED_TENSOR_WRITTEN = "one of the variables needed for gradient computation has been modified by an inplace"
 #: An in-place op on a whole tensor, made out of place by rebinding its name: ``v0.mul_(x1)`` -> ``v0 = v0.mul(x1)``.
@@ -51,19 +51,10 @@ def writes_made_out_of_place(failure: Failure, backend: BackendSpec, ex: CUDAGra
     if not failure.label.startswith("grad of") or out_of_place is None:
         return ""
     steps = program.steps[: failure.step + 1]
-    try:
-        eager = World(program, backend, "eager", compile_source(program, "eager"))
-        rewritten = World(out_of_place, backend, "eager", compile_source(out_of_place, "eager, writes out of place"))
-        cgx = World(program, backend, ex, compile_source(program, "cudagraphex"))
-    except Exception:  # noqa: BLE001 - no verdict
-        return ""
-    refused = raised_first_at_the_last(program, eager, steps)
-    if refused is None or _SAVED_TENSOR_WRITTEN not in str(refused):
-        return ""
-    for _, (r, c) in lockstep(program, (rewritten, cgx), steps, seeded=not program.threads):
-        if r.raised is not None or c.raised is not None:
-            return ""
-    if not observed_alike(failure, r, c, value_mode(failure.label, "close"), values_only=True):
+    tag, why = "eager, writes out of place", _SAVED_TENSOR_WRITTEN
+    observed = eager_refuses_and_rewritten_runs(program, out_of_place, tag, backend, ex, steps, why)
+    mode = value_mode(failure.label, "close")
+    if observed is None or not observed_alike(failure, *observed[-1], mode, values_only=True):
         return ""
     return (
         "eager refuses the backward (an in-place write into an intermediate changed a tensor saved for it);"

@@ -449,3 +449,26 @@ def raised_first_at_the_last(program: Program, world: World, steps: Sequence[Ste
         if observed.raised is not None:
             return observed.raised if index == len(steps) - 1 else None
     return None
+
+
+def eager_refuses_and_rewritten_runs(
+    program: Program, rewritten: Program, tag: str, backend: BackendSpec, ex: Executor, steps: Sequence[Step], why: str
+) -> list[tuple[Observations, Observations]] | None:
+    """Where eager refuses ``program`` at the last of ``steps``, and at none before, with ``why`` in its error: what
+    ``rewritten`` run eagerly (``tag`` names its source) and ``program`` run with ``ex`` observe at each step, where
+    neither raises; None otherwise, or where one does not compile."""
+    try:
+        eager = World(program, backend, "eager", compile_source(program, "eager"))
+        rewritten_eager = World(rewritten, backend, "eager", compile_source(rewritten, tag))
+        compiled = World(program, backend, ex, compile_source(program, "cudagraphex"))
+    except Exception:  # noqa: BLE001 - no verdict
+        return None
+    refused = raised_first_at_the_last(program, eager, steps)
+    if refused is None or why not in str(refused):
+        return None
+    observed = []
+    for _, (r, c) in lockstep(program, (rewritten_eager, compiled), steps, seeded=not program.threads):
+        if r.raised is not None or c.raised is not None:
+            return None
+        observed.append((r, c))
+    return observed
