@@ -8,9 +8,7 @@ from unittest import mock
 from cudagraphex import CUDAGraphExecutor
 from cudagraphex.planning import regions
 from tests.fuzzing.compare import Failure, run_alike
-from tests.fuzzing.world import BackendSpec, World, compile_source, lockstep
-
-_SAVED_TENSOR_WRITTEN = "one of the variables needed for gradient computation has been modified by an inplace"
+from tests.fuzzing.world import SAVED_TENSOR_WRITTEN, BackendSpec, World, compile_source, lockstep
 
 
 def original_self_copied(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
@@ -32,7 +30,7 @@ def original_self_copied(failure: Failure, backend: BackendSpec, ex: CUDAGraphEx
     except Exception:  # noqa: BLE001 - no verdict
         return ""
     for index, (e,) in lockstep(program, (eager,), steps, seeded=not program.threads):
-        refused = e.raised is not None and _SAVED_TENSOR_WRITTEN in str(e.raised)
+        refused = e.raised is not None and SAVED_TENSOR_WRITTEN in str(e.raised)
         if (e.raised is not None) != (index == failure.step) or (index == failure.step and not refused):
             return ""
     with mock.patch.object(regions, "with_snapshots", lambda sequence, trace: sequence):

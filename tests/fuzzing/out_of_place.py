@@ -9,9 +9,8 @@ import re
 from cudagraphex import CUDAGraphExecutor
 from tests.fuzzing.compare import Failure, observed_alike, value_mode
 from tests.fuzzing.programs import Program
-from tests.fuzzing.world import BackendSpec, eager_refuses_and_rewritten_runs
+from tests.fuzzing.world import SAVED_TENSOR_WRITTEN, BackendSpec, eager_refuses_and_rewritten_runs
 
-_SAVED_TENSOR_WRITTEN = "one of the variables needed for gradient computation has been modified by an inplace"
 #: An in-place op on a whole tensor, made out of place by rebinding its name: ``v0.mul_(x1)`` -> ``v0 = v0.mul(x1)``.
 _WHOLE_TENSOR_WRITE = re.compile(r"^(\w+)\.(add|sub|mul|relu|clamp)_\((.*)\)$")
 #: Lines whose result may share memory with what they read.
@@ -51,7 +50,7 @@ def writes_made_out_of_place(failure: Failure, backend: BackendSpec, ex: CUDAGra
     if not failure.label.startswith("grad of") or out_of_place is None:
         return ""
     steps = program.steps[: failure.step + 1]
-    tag, why = "eager, writes out of place", _SAVED_TENSOR_WRITTEN
+    tag, why = "eager, writes out of place", SAVED_TENSOR_WRITTEN
     observed = eager_refuses_and_rewritten_runs(program, out_of_place, tag, backend, ex, steps, why)
     mode = value_mode(failure.label, "close")
     if observed is None or not observed_alike(failure, *observed[-1], mode, values_only=True):

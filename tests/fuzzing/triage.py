@@ -26,6 +26,7 @@ from tests.fuzzing.original_self import original_self_copied
 from tests.fuzzing.out_of_place import writes_made_out_of_place
 from tests.fuzzing.programs import Line, Program, Step
 from tests.fuzzing.world import (
+    SAVED_TENSOR_WRITTEN,
     BackendSpec,
     TensorSnapshot,
     World,
@@ -125,7 +126,7 @@ def _refused_backward(failure: Failure, step: Step, error: BaseException) -> boo
     return (
         backward
         and (not failure.program.whole_step or failure.program.optimizer == "none")
-        and _SAVED_TENSOR_WRITTEN in str(error)
+        and SAVED_TENSOR_WRITTEN in str(error)
         and failure.label != "exception"
         and not failure.label.startswith("grad of")
     )
@@ -143,7 +144,7 @@ def _write_not_read(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecuto
     source for the source's shape.)
     """
     program = failure.program
-    if not (failure.label == "exception" and _SAVED_TENSOR_WRITTEN in failure.detail):
+    if not (failure.label == "exception" and SAVED_TENSOR_WRITTEN in failure.detail):
         return ""
     steps = program.steps[: failure.step + 1]
     # A write to no input, at the same index, so that every later step draws the same seeds and inputs.
@@ -269,7 +270,7 @@ def _saved_by_rematerialization(failure: Failure, backend: BackendSpec, ex: CUDA
     """
     program = failure.program
     refused_by_cudagraphex = failure.label == "exception" and not failure.symptom.startswith("raises only without")
-    if not (program.fuser and refused_by_cudagraphex and _SAVED_TENSOR_WRITTEN in failure.detail):
+    if not (program.fuser and refused_by_cudagraphex and SAVED_TENSOR_WRITTEN in failure.detail):
         return ""
     from thunder.executors import torch_compile
 
@@ -304,16 +305,13 @@ def _may_write_a_grad_leaf(program: Program, line: Line) -> bool:
     return any(t.name == name and t.requires_grad for t in program.inputs)
 
 
-_SAVED_TENSOR_WRITTEN = "one of the variables needed for gradient computation has been modified by an inplace"
-
-
 def _thunder_refuses_later(failure: Failure, eager_error: BaseException) -> bool:
     """Whether eager refused the program for a saved tensor written in place, and the difference is that plain Thunder
     refuses it for the same reason at a later step (Thunder 0.2.6 moves such a forward write into its backward)."""
     return (
         failure.label == "exception"
-        and _SAVED_TENSOR_WRITTEN in str(eager_error)
-        and _SAVED_TENSOR_WRITTEN in failure.detail
+        and SAVED_TENSOR_WRITTEN in str(eager_error)
+        and SAVED_TENSOR_WRITTEN in failure.detail
     )
 
 

@@ -442,6 +442,10 @@ def lockstep(program: Program, worlds: Sequence[World], steps: Sequence[Step], s
         yield index, results
 
 
+#: How eager's autograd refuses a backward whose saved tensor was written in place since.
+SAVED_TENSOR_WRITTEN = "one of the variables needed for gradient computation has been modified by an inplace"
+
+
 def raised_first_at_the_last(program: Program, world: World, steps: Sequence[Step]) -> BaseException | None:
     """What ``world`` raises at the last of ``steps``, where it raised at none before; None where it raises nowhere,
     or earlier."""
