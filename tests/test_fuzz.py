@@ -985,3 +985,25 @@ def test_a_program_with_a_fusion_executor_is_compared_within_a_tolerance():
         ref.add("out0", low)
         got.add("out0", off)
         assert (compare_step(dataclasses.replace(program, fuser=True), emulate, 0, ref, got) is not None) == departs
+
+
+def test_values_from_a_call_under_autocast_on_with_a_fusion_executor_are_compared_within_bfloat16s_tolerance():
+    """Inductor places autocast's bfloat16 roundings by the fusions it is handed, and they reach float32 results (a
+    gradient through bfloat16 products) and what the call leaves behind. From the first call under autocast on, a
+    program with a fusion executor is compared within two units in the last place of bfloat16; before it, and without
+    a fusion executor, as before."""
+    steps = [Step("call", Mode()), Step("call", Mode(autocast=True)), Step("call", Mode())]
+    program = _program(batches=(4,), tensors=[], lines=[], outputs=[], steps=steps)
+    fused = dataclasses.replace(program, fuser=True)
+    emulate = BACKENDS["emulate"]
+    ref, got = Observations(), Observations()
+    value = torch.full((4,), 1.41357)
+    ref.add("out0", value)
+    got.add("out0", value - 0.00928)  # less than one unit in the last place of bfloat16 there
+    assert compare_step(fused, emulate, 0, ref, got) is not None
+    assert compare_step(fused, emulate, 1, ref, got) is None
+    assert compare_step(fused, emulate, 2, ref, got) is None
+    assert compare_step(program, emulate, 2, ref, got) is not None
+    got.items.clear()
+    got.add("out0", value - 0.05)  # more than two units in the last place of bfloat16
+    assert compare_step(fused, emulate, 2, ref, got) is not None
