@@ -450,6 +450,20 @@ def test_a_gradient_where_eager_refuses_a_write_into_an_intermediate_is_judged_w
     assert writes_made_out_of_place(other, BACKENDS["emulate"], executor("emulate", 1)) == ""
 
 
+def test_an_error_only_plain_thunder_raises_where_eager_refuses_a_write_into_an_intermediate_is_judged_out_of_place():
+    """Where plain Thunder raises at the step whose backward eager refuses, and cudagraphex runs it, every value the step
+    observes is judged by eager with the write made out of place: here it agrees. A program whose written tensor a view
+    could see has no such form; an error that only cudagraphex raises gets no verdict."""
+    emulate, ex = BACKENDS["emulate"], executor("emulate", 1)
+    symptom = "raises only without cudagraphex: Unsupported: failed to find name in frame builtins"
+    failure = Failure(0, 0, "exception", "", symptom, _tanh_written_in_place())
+    assert "observes the values eager observes" in writes_made_out_of_place(failure, emulate, ex)
+    viewed = _tanh_written_in_place(Line("v2 = v0.t().t()", "v2", frozenset({"v0"}), False, "view"))
+    assert writes_made_out_of_place(dataclasses.replace(failure, program=viewed), emulate, ex) == ""
+    only_with = dataclasses.replace(failure, symptom="raises only with cudagraphex: RuntimeError: N")
+    assert writes_made_out_of_place(only_with, emulate, ex) == ""
+
+
 def test_a_write_into_a_view_of_a_leaf_that_requires_grad_is_excused_where_eager_through_detach_agrees():
     """Eager refuses ``v0.mul_(2)`` into a view of the leaf ``x0``; Thunder checks only the write's target, here a
     view of the transposed input, so neither Thunder path refuses it. Plain Thunder drops the write; cudagraphex

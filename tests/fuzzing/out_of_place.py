@@ -1,5 +1,6 @@
-"""Triage verdict for a gradient that differs where eager refuses the backward because an in-place write into an
-intermediate changed a tensor saved for it: eager with those writes made out of place is the reference."""
+"""Triage verdict for a gradient that differs, or an error only plain Thunder raises, where eager refuses the backward
+because an in-place write into an intermediate changed a tensor saved for it: eager with those writes made out of place
+is the reference."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 import re
 
 from cudagraphex import CUDAGraphExecutor
-from tests.fuzzing.compare import Failure, observed_alike, value_mode
+from tests.fuzzing.compare import Failure, compare_value, observed_alike, value_mode
 from tests.fuzzing.programs import Program
 from tests.fuzzing.world import SAVED_TENSOR_WRITTEN, BackendSpec, eager_refuses_and_rewritten_runs
 
@@ -37,25 +38,38 @@ def made_out_of_place(program: Program) -> Program | None:
 
 
 def writes_made_out_of_place(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
-    """Why a gradient differs from plain Thunder's where eager refuses the backward for a tensor saved for it that an
-    in-place write into an intermediate changed; empty for no verdict.
+    """Why a gradient differs from plain Thunder's, or plain Thunder alone raises, where eager refuses the backward for
+    a tensor saved for it that an in-place write into an intermediate changed; empty for no verdict.
 
     Thunder computes such a write as a new value, as eager computes the program with the write made out of place
     (:func:`made_out_of_place`). The verdict needs eager to refuse the failing step's backward, alone of the steps up
     to it, and that program to run eagerly up to and through the step as cudagraphex runs the original, giving the
-    gradient that failed as cudagraphex gives it, within a tolerance.
+    gradient that failed as cudagraphex gives it, within a tolerance; for an error, every value the step observes, as
+    cudagraphex observes it.
     """
     program = failure.program
     out_of_place = made_out_of_place(program)
-    if not failure.label.startswith("grad of") or out_of_place is None:
+    raised_without = failure.label == "exception" and failure.symptom.startswith("raises only without cudagraphex")
+    if not (failure.label.startswith("grad of") or raised_without) or out_of_place is None:
         return ""
     steps = program.steps[: failure.step + 1]
     tag, why = "eager, writes out of place", SAVED_TENSOR_WRITTEN
     observed = eager_refuses_and_rewritten_runs(program, out_of_place, tag, backend, ex, steps, why)
-    mode = value_mode(failure.label, "close")
-    if observed is None or not observed_alike(failure, *observed[-1], mode, values_only=True):
+    if observed is None:
+        return ""
+    refused = "eager refuses the backward (an in-place write into an intermediate changed a tensor saved for it); "
+    if raised_without:
+        rewritten, compiled = observed[-1]
+        labels = [label for label, _ in rewritten.items]
+        if labels != [label for label, _ in compiled.items] or any(
+            compare_value(a, b, value_mode(label, "close"), values_only=True)
+            for (label, a), (_, b) in zip(rewritten.items, compiled.items)
+        ):
+            return ""
+        return refused + "cudagraphex observes the values eager observes with the write made out of place"
+    if not observed_alike(failure, *observed[-1], value_mode(failure.label, "close"), values_only=True):
         return ""
     return (
-        "eager refuses the backward (an in-place write into an intermediate changed a tensor saved for it);"
-        " cudagraphex gives the gradient that eager gives with the write made out of place, as Thunder computes it"
+        refused
+        + "cudagraphex gives the gradient that eager gives with the write made out of place, as Thunder computes it"
     )
