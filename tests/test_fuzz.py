@@ -32,6 +32,7 @@ from tests.fuzzing import Line, Mode, Program, Step, TensorSpec, check, run_batc
 from tests.fuzzing.compare import Failure, compare_step
 from tests.fuzzing.fusion_executor import fuser_departs
 from tests.fuzzing.out_of_place import made_out_of_place, writes_made_out_of_place
+from tests.fuzzing.side_by_side import side_by_side
 from tests.fuzzing.world import BACKENDS, Observations, executor
 
 #: Each program is compiled with and without cudagraphex, once per input signature, grad mode, train/eval mode and
@@ -462,6 +463,22 @@ def test_an_error_only_plain_thunder_raises_where_eager_refuses_a_write_into_an_
     assert writes_made_out_of_place(dataclasses.replace(failure, program=viewed), emulate, ex) == ""
     only_with = dataclasses.replace(failure, symptom="raises only with cudagraphex: RuntimeError: N")
     assert writes_made_out_of_place(only_with, emulate, ex) == ""
+
+
+def test_side_by_side_shows_each_world_step_by_step():
+    """``--side-by-side``: a row per value plain Thunder observes, a column per other world, what each world raised;
+    here eager refuses the backward and eager with the write made out of place gives cudagraphex's gradient, to the
+    rounding of its own kernels."""
+    lines: list[str] = []
+    side_by_side(_tanh_written_in_place(), "emulate", out=lines.append)
+    assert lines[0] == "columns: [1] cudagraphex; [2] eager; [3] eager, writes out of place"
+    assert lines[1].startswith("step 0: call")
+    assert any(line.startswith("  eager raises RuntimeError: one of the variables needed") for line in lines)
+    (row,) = [line for line in lines if line.lstrip().startswith("grad of c0 x1")]
+    cudagraphex, eager, out_of_place = (cell.split()[0] for cell in row.split("]")[1:])
+    assert (cudagraphex, eager) == ("0", "-") and float(out_of_place) < 1e-6, row
+    with pytest.raises(ValueError, match="one thread"):
+        side_by_side(dataclasses.replace(_tanh_written_in_place(), threads=True), "emulate")
 
 
 def test_a_write_into_a_view_of_a_leaf_that_requires_grad_is_excused_where_eager_through_detach_agrees():

@@ -29,7 +29,9 @@ compared within a tolerance, as Inductor rounds by the fusions it is handed.
 
 ``python -m tests.fuzzing --backend emulate --count 2000 --start 0`` runs a batch and prints each failure (seed,
 program, call pattern, error) and a summary; ``--show SEED`` prints one program; ``--shrink`` reduces each failing
-program to a smaller one with the same symptom.
+program to a smaller one with the same symptom; ``--side-by-side --seed SEED`` runs one program in every world triage
+compares (eager, with writes made out of place, without the fusion executor) and prints, step by step, how far each
+departs from plain Thunder.
 """
 
 from tests.fuzzing.batch import BatchResult, run_batch

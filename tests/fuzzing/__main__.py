@@ -12,7 +12,9 @@ import tests.fuzzing
 from tests.fuzzing.batch import run_batch
 from tests.fuzzing.compare import Failure
 from tests.fuzzing.generate import generate
+from tests.fuzzing.programs import Program
 from tests.fuzzing.shrink import shrink
+from tests.fuzzing.side_by_side import side_by_side
 from tests.fuzzing.world import BACKENDS
 
 
@@ -38,16 +40,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="with Thunder's torch.compile executor in both compiled functions (Inductor compiles: seconds a program)",
     )
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="run each --seed in every world triage compares and print, step by step, how far each departs from plain"
+        " Thunder",
+    )
     args = parser.parse_args(argv)
     if args.backend == "cuda" and not torch.cuda.is_available():
         parser.error("--backend cuda needs a CUDA GPU")
     if args.show is not None:
-        program = generate(args.show).with_fuser() if args.fuser else generate(args.show)
-        if args.steps == "whole":
-            program = program.as_whole_steps()
-        elif args.steps == "bucketed":
-            program = program.as_bucketed_steps() or program
-        print(program.describe())
+        print(_program(args.show, args).describe())
+        return 0
+    if args.side_by_side:
+        if not args.seed:
+            parser.error("--side-by-side needs --seed")
+        for seed in args.seed:
+            side_by_side(_program(seed, args), args.backend)
         return 0
     seeds = args.seed or range(args.start, args.start + args.count)
 
@@ -59,6 +68,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_batch(seeds, args.backend, args.workers, on_failure, steps=args.steps, fuser=args.fuser)
     print(result.summary())
     return 1 if result.counted else 0
+
+
+def _program(seed: int, args: argparse.Namespace) -> Program:
+    """The program of ``seed`` as the options ask for it (``--fuser``, ``--steps``)."""
+    program = generate(seed).with_fuser() if args.fuser else generate(seed)
+    if args.steps == "whole":
+        return program.as_whole_steps()
+    if args.steps == "bucketed":
+        return program.as_bucketed_steps() or program
+    return program
 
 
 if __name__ == "__main__":
