@@ -120,6 +120,16 @@ def test_fuzz_cuda():
 
 
 @pytest.mark.cuda
+def test_fuzz_cuda_in_worker_processes():
+    """``workers`` on CUDA: processes started anew (a forked one cannot use the parent's CUDA context), each with a
+    context of its own, check the seeds and report them back."""
+    result = run_batch(range(10_000, 10_004), "cuda", workers=2)
+    assert result.programs == 4 and not result.unchecked
+    if result.counted:
+        pytest.fail(_report(result), pytrace=False)
+
+
+@pytest.mark.cuda
 def test_fuzz_whole_step_cuda():
     """50 programs as whole steps through ``graph_step`` on real CUDA graphs, compared as ``test_fuzz_cuda`` compares."""
     result = run_batch(range(10_000, 10_000 + WHOLE_STEP_PROGRAMS // 3), "cuda", steps="whole")
@@ -138,6 +148,18 @@ def test_fuzz_bucketed_cuda():
     assert result.padded_calls > 0, result.summary()
     if result.counted:
         pytest.fail(_report(result), pytrace=False)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_seeds_whose_turn_comes_after_the_deadline_are_not_checked(workers):
+    """A batch with a deadline checks the seeds whose turn comes before it and reports the rest, in one process and in
+    forked ones; without one it checks every seed."""
+    past = run_batch(range(3), "emulate", workers=workers, deadline_s=0.0)
+    assert (past.programs, past.unchecked) == (0, [0, 1, 2])
+    assert "deadline reached: 3 seeds not checked, from 0" in past.summary()
+    result = run_batch(range(2), "emulate", workers=workers, deadline_s=600.0)
+    assert (result.programs, result.unchecked) == (2, [])
+    assert "deadline" not in result.summary()
 
 
 @pytest.mark.cuda

@@ -24,7 +24,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=200)
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--seed", type=int, action="append", help="check these seeds (repeatable) instead")
-    parser.add_argument("--workers", type=int, default=1, help="processes (CPU replay backend only)")
+    parser.add_argument("--workers", type=int, default=1, help="processes (on CUDA, each with a context of its own)")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help="check no seed whose turn comes later than this after the start",
+    )
     parser.add_argument("--show", type=int, metavar="SEED", help="print the program of this seed and exit")
     parser.add_argument("--shrink", action="store_true", help="shrink each failing program before printing it")
     parser.add_argument("--brief", action="store_true", help="one line per failure, without the program")
@@ -65,7 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f = shrink(f, args.backend)
         print(f.report(full=not args.brief), flush=True)
 
-    result = run_batch(seeds, args.backend, args.workers, on_failure, steps=args.steps, fuser=args.fuser)
+    result = run_batch(
+        seeds, args.backend, args.workers, on_failure, steps=args.steps, fuser=args.fuser, deadline_s=args.deadline
+    )
     print(result.summary())
     return 1 if result.counted else 0
 

@@ -1,4 +1,5 @@
-"""Checks programs in batches, in forked processes where allowed, and sums up their outcomes."""
+"""Checks programs in batches, in worker processes where asked, until a deadline where given, and sums up their
+outcomes."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class BatchResult:
     failures: list[Failure] = field(default_factory=list)  # excused ones included
     raised_in_both: dict[str, list[int]] = field(default_factory=dict)
     ops: Counter = field(default_factory=Counter)
+    #: Seeds not checked because the deadline had passed when their turn came.
+    unchecked: list[int] = field(default_factory=list)
 
     @property
     def counted(self) -> list[Failure]:
@@ -56,6 +59,8 @@ class BatchResult:
         head += f", {self.padded_calls} padded" if self.padded_calls else ""
         head += f", {len(self.counted)} failing"
         lines = [f"{head} (+{excused} where plain Thunder is the one that differs), {self.seconds:.1f} s"]
+        if self.unchecked:
+            lines.append(f"deadline reached: {len(self.unchecked)} seeds not checked, from {min(self.unchecked)}")
         for title, failures in (("failures", self.counted), ("plain Thunder differs", self.failures)):
             if title != "failures":
                 failures = [f for f in failures if f.excused]
@@ -75,8 +80,11 @@ class BatchResult:
         return "\n".join(lines)
 
 
-def _check_seed(args: tuple[int, str, str, bool]) -> tuple[Program, Outcome]:
-    seed, backend, steps, fuser = args
+def _check_seed(args: tuple[int, str, str, bool, float]) -> tuple[Program, Outcome] | int:
+    """The program of a seed and its outcome; the seed alone where the deadline (``time.time()``) has passed."""
+    seed, backend, steps, fuser, deadline = args
+    if time.time() > deadline:
+        return seed
     program = generate(seed).with_fuser() if fuser else generate(seed)
     if steps == "whole":
         program = program.as_whole_steps()
@@ -100,25 +108,34 @@ def run_batch(
     on_failure=None,
     steps: str = "calls",
     fuser: bool = False,
+    deadline_s: float | None = None,
 ) -> BatchResult:
     """Generates and checks one program per seed: its calls as they are (``steps="calls"``), each call one step
     through ``graph_step`` (``"whole"``, :meth:`Program.as_whole_steps`), or a serving step with batch-size buckets
     (``"bucketed"``, :meth:`Program.as_bucketed_steps`); with ``fuser``, with Thunder's torch.compile executor in both
-    compiled functions (``Program.fuser``). ``workers`` > 1 forks that many processes (CPU replay backend only, and
-    only while CUDA is not initialised in this process)."""
+    compiled functions (``Program.fuser``). ``workers`` > 1 runs that many processes: forked on the CPU replay backend
+    (while CUDA is not initialised in this process, else one process), started anew on CUDA, each with a CUDA
+    context of its own. A seed whose turn comes ``deadline_s`` seconds after the start or later is not checked
+    (``BatchResult.unchecked``); seeds are taken in order, so those are the last ones."""
     result = BatchResult()
     start = time.perf_counter()
-    tasks = [(seed, backend, steps, fuser) for seed in seeds]
-    parallel = workers > 1 and backend == "emulate" and not torch.cuda.is_initialized()
+    deadline = time.time() + deadline_s if deadline_s is not None else float("inf")
+    tasks = [(seed, backend, steps, fuser, deadline) for seed in seeds]
+    method = "spawn" if backend == "cuda" else "fork" if not torch.cuda.is_initialized() else None
+    parallel = workers > 1 and method is not None
     with contextlib.ExitStack() as stack:
         if parallel:
             pool = stack.enter_context(
-                ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_worker_init)
+                ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_worker_init)
             )
             results = pool.map(_check_seed, tasks)
         else:
             results = map(_check_seed, tasks)
-        for n, (program, outcome) in enumerate(results, 1):
+        for n, checked in enumerate(results, 1):
+            if isinstance(checked, int):
+                result.unchecked.append(checked)
+                continue
+            program, outcome = checked
             result.add(program, outcome)
             for f in outcome.failures:
                 if on_failure is not None:
