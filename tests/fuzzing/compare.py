@@ -142,6 +142,25 @@ def abs_difference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x.double() - y.double()).abs().nan_to_num(float("inf"))
 
 
+def largest_difference(a: Any, b: Any) -> float | str:
+    """The largest absolute difference between two observed values (tensors, or sequences of them), or why there is
+    none to give: "-" where ``b`` is :data:`MISSING`, "shape", or "other" (values of other kinds, or unequal ones
+    that are not tensors)."""
+    if b is MISSING:
+        return "-"
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        parts = [largest_difference(x, y) for x, y in zip(a, b)]
+        reasons = [p for p in parts if isinstance(p, str)]
+        return reasons[0] if reasons else max(parts, default=0.0)
+    if isinstance(a, TensorSnapshot) and isinstance(b, TensorSnapshot):
+        if a.value.shape != b.value.shape:
+            return "shape"
+        return float(abs_difference(a.value, b.value).max()) if a.value.numel() else 0.0
+    if isinstance(a, TensorSnapshot) or isinstance(b, TensorSnapshot):
+        return "other"
+    return 0.0 if a == b else "other"
+
+
 def _diff(x: torch.Tensor, y: torch.Tensor) -> str:
     try:
         d = abs_difference(x, y)

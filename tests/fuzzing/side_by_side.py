@@ -12,27 +12,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from tests.fuzzing.compare import MISSING, abs_difference, normalise
+from tests.fuzzing.compare import MISSING, largest_difference, normalise
 from tests.fuzzing.out_of_place import made_out_of_place
 from tests.fuzzing.programs import Program
-from tests.fuzzing.world import BACKENDS, TensorSnapshot, World, compile_source, executor, lockstep
-
-
-def _largest_difference(a: object, b: object) -> float | str:
-    """The largest absolute difference between two observed values, or why there is none to give."""
-    if b is MISSING:
-        return "-"
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        parts = [_largest_difference(x, y) for x, y in zip(a, b)]
-        reasons = [p for p in parts if isinstance(p, str)]
-        return reasons[0] if reasons else max(parts, default=0.0)
-    if isinstance(a, TensorSnapshot) and isinstance(b, TensorSnapshot):
-        if a.value.shape != b.value.shape:
-            return "shape"
-        return float(abs_difference(a.value, b.value).max()) if a.value.numel() else 0.0
-    if isinstance(a, TensorSnapshot) or isinstance(b, TensorSnapshot):
-        return "other"
-    return 0.0 if a == b else "other"
+from tests.fuzzing.world import BACKENDS, World, compile_source, executor, lockstep
 
 
 def _cell(difference: float | str) -> str:
@@ -42,7 +25,8 @@ def _cell(difference: float | str) -> str:
 def side_by_side(program: Program, backend: str, out: Callable[[str], None] = print) -> None:
     """Prints, for each step of ``program`` on ``backend``, what each world raised and a row per value plain Thunder
     observed: its largest absolute difference in each other world ("-" where that world did not observe it, "shape"
-    or "other" where it is not comparable)."""
+    or "other" where it is not comparable). A world that cannot be built is named and left out; without plain Thunder
+    nothing runs."""
     if program.threads:
         raise ValueError("side by side runs one thread; this program calls from several")
     spec, ex = BACKENDS[backend], executor(backend, program.min_region_size)
@@ -54,8 +38,15 @@ def side_by_side(program: Program, backend: str, out: Callable[[str], None] = pr
         unfused = dataclasses.replace(program, fuser=False)
         sources["plain Thunder, no fusion executor"] = (unfused, None)
         sources["cudagraphex, no fusion executor"] = (unfused, ex)
-    worlds = [World(p, spec, w, compile_source(p, name)) for name, (p, w) in sources.items()]
-    names = list(sources)
+    names, worlds = [], []
+    for name, (p, w) in sources.items():
+        try:
+            worlds.append(World(p, spec, w, compile_source(p, name)))
+            names.append(name)
+        except Exception as e:  # noqa: BLE001 - shown, and the other worlds go on
+            out(f"{name}: not built: {type(e).__name__}: {normalise(str(e))}")
+    if names[:1] != ["plain Thunder"]:
+        return
     out("columns: " + "; ".join(f"[{k}] {name}" for k, name in enumerate(names[1:], 1)))
     for index, observed in lockstep(program, worlds, program.steps, seeded=True):
         out(f"step {index}: {program.steps[index].describe()}")
@@ -64,5 +55,5 @@ def side_by_side(program: Program, backend: str, out: Callable[[str], None] = pr
                 out(f"  {name} raises {type(o.raised).__name__}: {normalise(str(o.raised))}")
         others = [dict(o.items) for o in observed[1:]]
         for label, value in observed[0].items:
-            cells = [_cell(_largest_difference(value, other.get(label, MISSING))) for other in others]
+            cells = [_cell(largest_difference(value, other.get(label, MISSING))) for other in others]
             out(f"  {label:32s}" + "".join(f" [{k}] {c:>9s}" for k, c in enumerate(cells, 1)))

@@ -13,9 +13,9 @@ from tests.fuzzing.call_order import thunder_called_in_the_steps_order
 from tests.fuzzing.compare import (
     MISSING,
     Failure,
-    abs_difference,
     compare_step,
     compare_value,
+    largest_difference,
     normalise,
     observed_alike,
     value_mode,
@@ -28,7 +28,6 @@ from tests.fuzzing.programs import Line, Program, Step
 from tests.fuzzing.world import (
     SAVED_TENSOR_WRITTEN,
     BackendSpec,
-    TensorSnapshot,
     World,
     compile_source,
     eager_refuses_and_rewritten_runs,
@@ -248,13 +247,9 @@ def _closer_to_eager(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecut
 
 
 def _largest_difference(a: Any, b: Any) -> float:
-    """The largest absolute difference between two observed values (tensors, or sequences of them)."""
-    if isinstance(a, (list, tuple)):
-        return max((_largest_difference(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
-    if not isinstance(a, TensorSnapshot):
-        return 0.0 if a == b else float("inf")
-    difference = abs_difference(a.value, b.value)
-    return float(difference.max()) if difference.numel() else 0.0
+    """:func:`largest_difference` as a number: infinite where the values are not comparable."""
+    difference = largest_difference(a, b)
+    return float("inf") if isinstance(difference, str) else difference
 
 
 def _saved_by_rematerialization(failure: Failure, backend: BackendSpec, ex: CUDAGraphExecutor) -> str:
