@@ -28,8 +28,8 @@ where it comes first, as README recommends without nvFuser, in one thread (``Pro
 compared within a tolerance, as Inductor rounds by the fusions it is handed.
 
 ``python -m tests.fuzzing --backend emulate --count 2000 --start 0`` runs a batch and prints each failure (seed,
-program, call pattern, error) and a summary (``--workers N`` runs N processes, on CUDA too; ``--deadline SECONDS``
-takes no seed after that long, as on a leased GPU); ``--show SEED`` prints one program; ``--shrink`` reduces each failing
+program, call pattern, error) and a summary (``--workers N`` runs N processes, on CUDA too; ``--deadline SECONDS`` takes
+no seed after that long, as on a leased GPU); ``--show SEED`` prints one program; ``--shrink`` reduces each failing
 program to a smaller one with the same symptom; ``--side-by-side --seed SEED`` runs one program in every world triage
 compares (eager, with writes made out of place, without the fusion executor) and prints, step by step, how far each
 departs from plain Thunder.
